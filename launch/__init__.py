@@ -1,0 +1,1 @@
+"""nemo-run launch recipes (local and Slurm). Filled by the launch issue."""

