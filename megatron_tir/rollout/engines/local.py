@@ -1,0 +1,519 @@
+"""In-process generation engine: a HuggingFace causal LM in torch with continuous batching.
+
+The embedded default (CPU) and the tests use it; it implements the same
+:class:`~megatron_tir.rollout.engines.base.GenerationEngine` interface as the SGLang
+client, so the rollout driver cannot tell them apart.
+
+How it works
+    * ``generate`` puts the request in a FIFO queue and awaits a future.
+    * One background asyncio task (the scheduler) runs the model one *step* at a time in a
+      single worker thread, so the event loop stays free for sandbox I/O. A step either
+      prefills the newly admitted requests (left-padded, attention mask + per-row
+      position ids) and samples their first token, or decodes one token for every
+      running request. New requests join the running batch at the next step
+      (continuous batching): their KV cache is left-padded to the batch's length and
+      concatenated along the batch dimension; finished rows leave the batch and
+      all-padding columns are trimmed.
+    * Sampling, and which log-prob is returned, is documented in
+      :mod:`megatron_tir.rollout.engines.sampling`: ``log_softmax(logits / T)`` of the
+      sampled token, before top-k / top-p truncation. Each request owns a
+      ``torch.Generator`` (seeded from ``SamplingParams.seed``, or from the engine's seed
+      when ``None``), so a request's output does not depend on what else is in the
+      batch -- up to float rounding: batched and unbatched matmuls differ in the last
+      bits, so log-probs agree to ~1e-5 and a sampled token can only differ when its
+      uniform draw falls within that distance of a CDF boundary.
+    * Finish: a stop string completed in the *generated* text (the completing token is
+      kept, SGLang ``no_stop_trim``), an EOS id (kept), ``max_new_tokens``, the model's
+      context limit (LENGTH, ``meta["context_limit"] = True``), or ABORT (pause with
+      ``abort_in_flight=True``, ``close``).
+    * ``update_weights`` and ``pause`` take effect between two steps. Requests in flight
+      during a weight update keep their KV cache and continue under the new weights
+      (like SGLang without ``flush_cache``); ``Generation.meta`` carries the weight
+      versions at the request's start and finish so the caller can tell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
+from megatron_tir.rollout.engines.sampling import sample_tokens
+from megatron_tir.rollout.engines.stop import StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ATTN = ("sdpa", "eager")
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalEngineConfig:
+    """How to build a :class:`LocalEngine`."""
+
+    model: str = "smollm2"  # "smollm2" or an HF model directory (see megatron_tir.models.resolve_model)
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    max_batch_size: int = 8  # requests decoded together
+    max_seq_len: int | None = None  # prompt + generated; None: the model's max_position_embeddings
+    torch_threads: int | None = None  # torch.set_num_threads (process-wide); None: leave as is
+    seed: int = 0  # seeds the per-request generators of requests without SamplingParams.seed
+    eos_token_ids: tuple[int, ...] | None = None  # None: generation_config + config + tokenizer + extra_eos_tokens
+    extra_eos_tokens: tuple[str, ...] = ("<|endoftext|>",)  # also end a sequence, when in the vocabulary
+    attn_implementation: str = "sdpa"  # sdpa | eager
+
+    def __post_init__(self) -> None:
+        if not str(self.model):
+            raise ValueError("model must be 'smollm2' or an HF model directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.eos_token_ids is not None and any(int(t) < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be non-negative, got {self.eos_token_ids}")
+        if self.attn_implementation not in _ATTN:
+            raise ValueError(f"attn_implementation must be one of {_ATTN}, got {self.attn_implementation!r}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    rng: torch.Generator
+    stop: StopStringMatcher
+    weight_version_start: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    matched_stop: str | None = None
+    context_limit: bool = False
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The running requests and their shared, left-padded KV cache (worker-thread state)."""
+
+    requests: list[_Request] = field(default_factory=list)
+    cache: object | None = None  # transformers DynamicCache over the cached tokens
+    mask_BT: torch.Tensor | None = None  # 1 where a cached column holds a real token of that row
+    next_pos_B: torch.Tensor | None = None  # position id of each row's pending token
+    pending_B: torch.Tensor | None = None  # last sampled token of each row, not yet in the cache
+
+
+class LocalEngine:
+    """Continuous-batching torch engine over an HF causal LM (see the module docstring).
+
+    ``LocalEngine(LocalEngineConfig(model="smollm2"))``; use it from one event loop.
+    """
+
+    def __init__(self, config: LocalEngineConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from megatron_tir.models import resolve_model
+
+        self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self.model_dir: Path = resolve_model(config.model)
+        self.device = torch.device(config.device)
+        log.info("loading %s on %s (%s)", self.model_dir, self.device, config.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=_DTYPES[config.dtype], attn_implementation=config.attn_implementation
+        )
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self._check_full_attention()
+        self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
+        self.max_seq_len: int = config.max_seq_len or int(
+            getattr(self.model.config, "max_position_embeddings", 0) or 4096
+        )
+        self.eos_token_ids: tuple[int, ...] = self._resolve_eos()
+        self._eos = frozenset(self.eos_token_ids)
+        self._params = self.model.state_dict()  # HF name -> tensor sharing the model's storage
+        self._weight_version = 0
+        self._seed_rng = random.Random(config.seed)
+
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._live: dict[_Request, None] = {}  # every request not yet resolved, in arrival order
+        self._batch = _Batch()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
+        self._step_lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._resumed: asyncio.Event | None = None
+        self._paused = False
+        self._closed = False
+        self._loop_task: asyncio.Task | None = None
+        log.info("local engine ready: %s, vocab %d, eos %s, max_seq_len %d",
+                 type(self.model).__name__, self.vocab_size, self.eos_token_ids, self.max_seq_len)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def weight_version(self) -> int:
+        """How many times ``update_weights`` has been applied."""
+        return self._weight_version
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if self._closed:
+            raise RuntimeError("LocalEngine is closed")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._validate_prompt(prompt_ids)
+        self._ensure_started()
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = _Request(
+            prompt_ids=prompt,
+            params=params,
+            future=asyncio.get_running_loop().create_future(),
+            rng=torch.Generator(device="cpu").manual_seed(seed),
+            stop=StopStringMatcher(self.tokenizer, params.stop),
+            weight_version_start=self._weight_version,
+        )
+        self._queue.append(request)
+        self._live[request] = None
+        self._wake.set()
+        return await request.future
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model in place, between two steps.
+
+        All names and shapes are checked before anything is copied; unknown names, wrong
+        shapes and non-floating tensors raise ValueError and leave the model unchanged.
+        """
+        updates = self._validate_updates(named_tensors)
+        self._ensure_started()
+        async with self._step_lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._copy_weights, updates)
+            self._weight_version += 1
+        log.info("updated %d tensors (weight version %d)", len(updates), self._weight_version)
+
+    async def pause(self, *, abort_in_flight: bool = False) -> None:
+        """Stop admitting and stepping; returns once no step is running.
+
+        In-flight requests are held with their KV cache and continue after ``resume``,
+        or, with ``abort_in_flight=True``, finish now with ABORT and what they have
+        generated so far (queued ones too). ``generate`` calls made while paused wait.
+        """
+        self._ensure_started()
+        self._paused = True
+        self._resumed.clear()
+        async with self._step_lock:
+            if abort_in_flight:
+                self._abort_all("paused with abort_in_flight")
+
+    async def resume(self) -> None:
+        self._ensure_started()
+        self._paused = False
+        self._resumed.set()
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Abort everything in flight and stop the scheduler; the engine cannot be reused."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        # Let a step still running in the worker finish before its requests are resolved.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        self._abort_all("engine closed")
+
+    async def __aenter__(self) -> LocalEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise ValueError("prompt_ids must be token ids, not text")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+        return prompt
+
+    def _validate_updates(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        updates = list(named_tensors)
+        unknown = [name for name, _ in updates if name not in self._params]
+        if unknown:
+            example = next(iter(self._params))
+            raise ValueError(
+                f"update_weights: {len(unknown)} unknown parameter name(s) for {type(self.model).__name__}: "
+                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (expected HF names like {example!r})"
+            )
+        for name, tensor in updates:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update_weights: {name} is a {type(tensor).__name__}, not a torch.Tensor")
+            if not tensor.is_floating_point():
+                raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}; expected a floating dtype")
+            want = tuple(self._params[name].shape)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}; the model has {want}")
+        return updates
+
+    def _check_full_attention(self) -> None:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=self.model.config).layers}
+        if kinds - {DynamicLayer.__name__}:
+            raise ValueError(
+                f"LocalEngine batches full-attention decoders only; {type(self.model).__name__} uses {sorted(kinds)}"
+            )
+
+    def _resolve_eos(self) -> tuple[int, ...]:
+        if self.config.eos_token_ids is not None:
+            ids = [int(t) for t in self.config.eos_token_ids]
+        else:
+            ids = []
+            for source in (getattr(self.model.generation_config, "eos_token_id", None),
+                           getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id):
+                ids.extend([] if source is None else [source] if isinstance(source, int) else list(source))
+            vocab = self.tokenizer.get_vocab()
+            ids.extend(vocab[tok] for tok in self.config.extra_eos_tokens if tok in vocab)
+        if not ids:
+            raise ValueError(f"no EOS token id found for {self.model_dir}; set LocalEngineConfig.eos_token_ids")
+        if any(t >= self.vocab_size for t in ids):
+            raise ValueError(f"EOS ids {ids} outside the vocabulary of size {self.vocab_size}")
+        return tuple(dict.fromkeys(ids))
+
+    # ------------------------------------------------------------------ scheduler (event loop)
+
+    def _ensure_started(self) -> None:
+        if self._loop_task is not None:
+            return
+        if self._closed:
+            raise RuntimeError("LocalEngine is closed")
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name="local-engine-scheduler")
+        self._loop_task.add_done_callback(self._on_scheduler_done)
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._paused:
+                await self._resumed.wait()
+                continue
+            if not self._queue and not self._batch.requests:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._step_lock:
+                if self._paused:
+                    continue
+                self._drop_cancelled()
+                admitted = []
+                while self._queue and len(self._batch.requests) + len(admitted) < self.config.max_batch_size:
+                    admitted.append(self._queue.popleft())
+                if not admitted and not self._batch.requests:
+                    continue
+                try:
+                    finished = await loop.run_in_executor(self._executor, self._step, admitted)
+                except Exception as exc:  # a failed forward fails its requests, not the engine
+                    log.exception("local engine step failed")
+                    self._fail(self._batch.requests + admitted, RuntimeError(f"local engine step failed: {exc!r}"))
+                    self._batch = _Batch()
+                    continue
+            for request in finished:
+                self._resolve(request)
+            await asyncio.sleep(0)  # let new requests in between steps
+
+    def _on_scheduler_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("local engine scheduler crashed", exc_info=task.exception())
+        self._closed = True
+        self._fail(list(self._live), RuntimeError(f"local engine scheduler crashed: {task.exception()!r}"))
+
+    def _fail(self, requests: list[_Request], exc: BaseException) -> None:
+        for request in requests:
+            self._live.pop(request, None)
+            if not request.future.done():
+                request.future.set_exception(exc)
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._live if r.future.done()]:
+            del self._live[request]
+        self._queue = collections.deque(r for r in self._queue if not r.future.done())
+        keep = [i for i, r in enumerate(self._batch.requests) if not r.future.done()]
+        if len(keep) != len(self._batch.requests):
+            self._select_rows(keep)
+
+    def _resolve(self, request: _Request) -> None:
+        self._live.pop(request, None)
+        if request.future.done():  # cancelled by the caller
+            return
+        meta = {"weight_version_start": request.weight_version_start, "weight_version": self._weight_version}
+        if request.context_limit:
+            meta["context_limit"] = True
+        request.future.set_result(Generation(
+            token_ids=list(request.token_ids),
+            logprobs=list(request.logprobs),
+            finish_reason=request.finish,
+            matched_stop=request.matched_stop,
+            prompt_tokens=len(request.prompt_ids),
+            meta=meta,
+        ))
+
+    def _abort_all(self, why: str) -> None:
+        """Resolve every unresolved request: ABORT unless its last step already finished it."""
+        requests = list(self._live)
+        self._batch = _Batch()
+        self._queue.clear()
+        for request in requests:
+            if request.finish is None:
+                request.finish = FinishReason.ABORT
+            self._resolve(request)
+        if requests:
+            log.info("aborted %d request(s): %s", len(requests), why)
+
+    # ------------------------------------------------------------------ model steps (worker thread)
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Request]) -> list[_Request]:
+        """Prefill the admitted requests, or else decode one token for the running batch."""
+        if admitted:
+            new, logits_BV = self._prefill(admitted)
+            finished = self._advance(new, logits_BV)
+            self._merge(new)
+        else:
+            batch = self._batch
+            mask_BT = torch.cat([batch.mask_BT, torch.ones_like(batch.mask_BT[:, :1])], dim=1)
+            out = self.model(
+                input_ids=batch.pending_B[:, None],
+                attention_mask=mask_BT,
+                position_ids=batch.next_pos_B[:, None],
+                cache=batch.cache,
+                use_cache=True,
+            )
+            batch.mask_BT = mask_BT
+            batch.next_pos_B = batch.next_pos_B + 1
+            finished = self._advance(batch, out.logits[:, -1, :])
+        keep = [i for i, r in enumerate(self._batch.requests) if r.finish is None]
+        if len(keep) != len(self._batch.requests):
+            self._select_rows(keep)
+        return finished
+
+    def _prefill(self, requests: list[_Request]) -> tuple[_Batch, torch.Tensor]:
+        from transformers.cache_utils import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in requests)
+        ids_BT = torch.zeros(len(requests), width, dtype=torch.long)
+        mask_BT = torch.zeros(len(requests), width, dtype=torch.long)
+        for row, request in enumerate(requests):
+            n = len(request.prompt_ids)
+            ids_BT[row, width - n:] = torch.tensor(request.prompt_ids)
+            mask_BT[row, width - n:] = 1
+        ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
+        position_BT = (mask_BT.cumsum(dim=1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_BT, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        new = _Batch(requests=list(requests), cache=out.cache, mask_BT=mask_BT,
+                     next_pos_B=mask_BT.sum(dim=1), pending_B=None)
+        return new, out.logits[:, -1, :]
+
+    def _advance(self, batch: _Batch, logits_BV: torch.Tensor) -> list[_Request]:
+        """Sample one token per row, record it, and mark rows that finished."""
+        requests = batch.requests
+        device = logits_BV.device
+        temperature_B = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device)
+        top_p_B = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device)
+        top_k_B = torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=device)
+        uniform_B = torch.cat([torch.rand(1, generator=r.rng) for r in requests]).to(device)
+        token_B, logprob_B = sample_tokens(logits_BV, temperature_B=temperature_B, top_p_B=top_p_B,
+                                           top_k_B=top_k_B, uniform_B=uniform_B)
+        batch.pending_B = token_B
+        finished = []
+        for request, token, logprob in zip(requests, token_B.tolist(), logprob_B.tolist()):
+            request.token_ids.append(token)
+            request.logprobs.append(logprob)
+            if token in self._eos:
+                request.finish = FinishReason.EOS
+            elif (matched := request.stop.check(request.token_ids)) is not None:
+                request.finish, request.matched_stop = FinishReason.STOP, matched
+            elif len(request.token_ids) >= request.params.max_new_tokens:
+                request.finish = FinishReason.LENGTH
+            elif len(request.prompt_ids) + len(request.token_ids) >= self.max_seq_len:
+                request.finish, request.context_limit = FinishReason.LENGTH, True
+            if request.finish is not None:
+                finished.append(request)
+        return finished
+
+    def _merge(self, new: _Batch) -> None:
+        """Join newly prefilled rows to the running batch (left-pad the shorter cache)."""
+        from transformers.cache_utils import DynamicCache
+
+        old = self._batch
+        if not old.requests:
+            self._batch = new
+            return
+        width = max(old.mask_BT.shape[1], new.mask_BT.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        layers = [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+                  for a, b in zip(old.cache.layers, new.cache.layers, strict=True)]
+        self._batch = _Batch(
+            requests=old.requests + new.requests,
+            cache=DynamicCache(ddp_cache_data=layers),
+            mask_BT=torch.cat([pad(old.mask_BT, 1), pad(new.mask_BT, 1)]),
+            next_pos_B=torch.cat([old.next_pos_B, new.next_pos_B]),
+            pending_B=torch.cat([old.pending_B, new.pending_B]),
+        )
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the running batch and trim all-padding columns."""
+        batch = self._batch
+        if not keep:
+            self._batch = _Batch()
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=batch.mask_BT.device)
+        mask_BT = batch.mask_BT.index_select(0, index)
+        start = int(mask_BT.any(dim=0).nonzero()[0])
+        for layer in batch.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        batch.requests = [batch.requests[i] for i in keep]
+        batch.mask_BT = mask_BT[:, start:]
+        batch.next_pos_B = batch.next_pos_B.index_select(0, index)
+        batch.pending_B = batch.pending_B.index_select(0, index)
+
+    @torch.inference_mode()
+    def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in updates:
+            self._params[name].copy_(tensor)
