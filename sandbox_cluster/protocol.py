@@ -90,3 +90,114 @@ def decode_request(data: bytes) -> ExecRequest:
 
 def decode_result(data: bytes) -> ExecResult:
     return _result_decoder.decode(data)
+
+
+# ---------------------------------------------------------------------------
+# Framing and control messages (added by the sandbox cluster; the records above
+# are the public contract and keep their names and fields).
+#
+# Every ZeroMQ message is multipart: ``[kind, payload?]``.
+#   client -> broker : EXEC <ExecRequest> | STATUS
+#   broker -> client : RESULT <ExecResult> | STATUS <ClusterStatus>
+#   worker -> broker : READY <WorkerHello> | HEARTBEAT | RESULT <ExecResult>
+#                      | FAILED <SlotFailure> | BYE
+#   broker -> worker : EXEC <ExecRequest> | HEARTBEAT | RESET
+# ---------------------------------------------------------------------------
+
+KIND_EXEC = b"EXEC"
+KIND_RESULT = b"RESULT"
+KIND_STATUS = b"STATUS"
+KIND_READY = b"READY"
+KIND_HEARTBEAT = b"HEARTBEAT"
+KIND_FAILED = b"FAILED"
+KIND_BYE = b"BYE"
+KIND_RESET = b"RESET"
+
+
+class Protection(msgspec.Struct, kw_only=True, frozen=True):
+    """One isolation layer and whether this host gives it."""
+
+    name: str
+    active: bool
+    detail: str = ""
+
+
+class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
+    """A worker announces itself (again after RESET) with its currently idle slots."""
+
+    name: str
+    slots: int
+    free: int
+    protections: list[Protection] = msgspec.field(default_factory=list)
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class SlotFailure(msgspec.Struct, kw_only=True, frozen=True):
+    """A worker could not finish a request (its zygote died); the broker decides on a retry."""
+
+    id: str
+    reason: str
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    name: str
+    slots: int
+    free: int
+    in_flight: int
+    protections: list[Protection] = msgspec.field(default_factory=list)
+
+
+class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """Reply to STATUS: what the broker sees right now."""
+
+    workers: list[WorkerInfo]
+    queued: int
+    in_flight: int
+    max_queue: int
+    served: int
+    retried: int
+    rejected: int
+    protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def missing_protections(self) -> dict[str, list[str]]:
+        """worker name -> protections that host could not give."""
+        return {
+            w.name: [p.name for p in w.protections if not p.active]
+            for w in self.workers
+            if any(not p.active for p in w.protections)
+        }
+
+
+_encoder = msgspec.msgpack.Encoder()
+_hello_decoder = msgspec.msgpack.Decoder(WorkerHello)
+_failure_decoder = msgspec.msgpack.Decoder(SlotFailure)
+_status_decoder = msgspec.msgpack.Decoder(ClusterStatus)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_msg(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_hello(data: bytes) -> WorkerHello:
+    return _hello_decoder.decode(data)
+
+
+def decode_failure(data: bytes) -> SlotFailure:
+    return _failure_decoder.decode(data)
+
+
+def decode_status(data: bytes) -> ClusterStatus:
+    return _status_decoder.decode(data)
+
+
+def salvage_id(data: bytes) -> str:
+    """Best effort: the ``id`` of a request that failed validation, so its error reply can be matched."""
+    try:
+        obj = _any_decoder.decode(data)
+    except msgspec.DecodeError:
+        return ""
+    if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+        return obj["id"][:256]
+    return ""

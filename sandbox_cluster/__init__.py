@@ -1,0 +1,61 @@
+"""Sandbox cluster: fast, isolated execution of model-written Python over ZeroMQ.
+
+    from sandbox_cluster import LocalCluster, SandboxClient
+    with LocalCluster(workers=2) as cluster, SandboxClient(cluster.address) as client:
+        result = client.run("import sympy; print(sympy.solve('x**2-4'))", timeout=5)
+        result.status, result.stdout          # Status.OK, '[-2, 2]\\n'
+
+Clients talk to a broker (ROUTER); workers (ROUTER on a second endpoint) announce idle
+slots; each slot is a warm zygote (numpy and sympy imported *and exercised*) that forks one
+isolated child per request. Every accepted request gets exactly one ``ExecResult``.
+
+Threat model
+------------
+The code is untrusted but not targeted at kernel bugs: model-written Python that may be
+buggy, runaway or (accidentally or deliberately) hostile through ordinary syscalls.
+
+Protected, per cell (each layer is probed when a zygote starts; a layer the host cannot
+give is logged as MISSING at start and listed in every STATUS reply, never skipped
+silently; ``require_full_isolation=True`` refuses to start instead):
+
+- network: the zygote lives in its own empty network namespace (loopback down), and
+  seccomp makes ``socket()`` fail with EPERM, so no inet, netlink or unix sockets at all
+  (``socketpair`` and pipes still work inside the cell);
+- other processes: the cell runs as an unprivileged uid reserved for its slot (flock
+  leases, unique per host), so it cannot signal, ptrace or read the environment of the
+  broker, the workers, the zygotes or other slots' cells; seccomp also denies ptrace,
+  process_vm_*, mount, unshare/setns/namespace clones, bpf, perf, keyctl, io_uring, module
+  and reboot calls; the cell is killed if its zygote dies (PDEATHSIG);
+- secrets in the environment: zygotes are exec'd with a minimal environment, so neither
+  ``os.environ``, the zygote's memory nor ``/proc/*/environ`` hold the worker's variables;
+- inherited file descriptors: everything but stdin/stdout/stderr is closed;
+- resources: wall-clock timeout (``timeout``), RLIMIT_CPU, memory (cgroup memory limit +
+  RLIMIT_AS above the zygote's own size: ``memory``), processes (pids cgroup + RLIMIT_NPROC:
+  fork bombs), file size (RLIMIT_FSIZE), open files, no core dumps;
+- disk: /tmp (the working dir), /var/tmp and /dev/shm are private size-limited tmpfs
+  mounts of the slot, wiped after every request; the rest of the filesystem is writable
+  only where "other" users may write;
+- output: head and tail of stdout/stderr are kept (``*_truncated`` flags); past a hard cap
+  the cell is killed (``output_limit``);
+- leftovers: after each request every process of the cell's tree is killed through the
+  slot's cgroup (or, without cgroups, by its uid), including ``setsid`` orphans.
+
+Not protected:
+
+- kernel or hardware exploits (no VM, no gVisor): a kernel bug reachable through the
+  allowed syscalls escapes the sandbox;
+- reading world-readable files (the code, the virtualenv, /etc) and listing host
+  processes with their command lines (/proc has no pid namespace);
+- CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
+- state left in the world-writable places outside /tmp, /var/tmp and /dev/shm (if any);
+- a cell can write to its own stdout as fast as it likes up to the hard cap;
+- cells of one slot run one after another under the same uid; nothing survives a
+  request, but a cell can observe that the previous one ran (timing, cgroup counters).
+"""
+
+from .client import ClientConfig, SandboxClient
+from .cluster import LocalCluster
+from .limits import SandboxLimits
+from .protocol import ExecRequest, ExecResult, Status
+
+__all__ = ["ClientConfig", "ExecRequest", "ExecResult", "LocalCluster", "SandboxClient", "SandboxLimits", "Status"]

@@ -1,0 +1,218 @@
+"""Client of the sandbox cluster: ``run`` (blocking) and ``arun`` (asyncio, many in flight).
+
+Every call returns an ``ExecResult``; infrastructure trouble is a result too, never an
+exception: no reply before the client deadline (cell timeout + ``deadline_slack_s``) is
+``sandbox_error``. Only ``overloaded`` is retried (the broker did not accept the request,
+so retrying cannot run it twice); arguments that would not pass the broker's validation
+raise ``ValueError`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    deadline_slack_s: float = 60.0  # beyond the cell timeout: queueing, transfer, one retry
+    retry_overloaded: bool = True
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.deadline_slack_s <= 0:
+            raise ValueError(f"deadline_slack_s={self.deadline_slack_s} must be > 0")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+class _AsyncState:
+    """The asyncio socket and its reply router, bound to one event loop."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.pending: dict[str, asyncio.Future] = {}
+        self.status_waiters: list[asyncio.Future] = []
+        self.receiver = self.loop.create_task(self._receive())
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            if len(frames) == 2 and frames[0] == P.KIND_RESULT:
+                try:
+                    result = P.decode_result(frames[1])
+                except Exception as exc:  # noqa: BLE001 - a broken reply must not kill the router
+                    log.error("undecodable reply from broker: %s", exc)
+                    continue
+                fut = self.pending.pop(result.id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(result)
+            elif len(frames) == 2 and frames[0] == P.KIND_STATUS:
+                while self.status_waiters:
+                    fut = self.status_waiters.pop(0)
+                    if not fut.done():
+                        fut.set_result(frames[1])
+                        break
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self.receiver.cancel()
+        for fut in self.pending.values():
+            if not fut.done() and not self.loop.is_closed():
+                fut.cancel()
+        self.socket.close(linger=0)
+
+
+class SandboxClient:
+    """Talks to a broker at ``address`` (``tcp://host:port`` or ``ipc://path``)."""
+
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"address {address!r} must start with tcp://, ipc:// or inproc://")
+        self.address = address
+        self.config = config or ClientConfig()
+        self._lock = threading.Lock()
+        self._sync: zmq.Socket | None = None
+        self._async: _AsyncState | None = None
+        self._closed = False
+
+    # ---- requests
+
+    def _build(self, code, timeout, memory_mb, stdin, files) -> tuple[str, bytes]:
+        if self._closed:
+            raise ValueError("client is closed")
+        if not isinstance(code, str):
+            raise ValueError(f"code must be str, got {type(code).__name__}")
+        if files is not None and not isinstance(files, dict):
+            raise ValueError(f"files must be a dict of name -> bytes, got {type(files).__name__}")
+        files = {k: v.encode() if isinstance(v, str) else v for k, v in (files or {}).items()}
+        req = P.ExecRequest(id=uuid.uuid4().hex, code=code, timeout=timeout, memory_mb=memory_mb,
+                            stdin=stdin, files=files)
+        payload = P.encode(req)
+        try:
+            P.decode_request(payload)  # the broker's own check, at the caller's edge
+        except TypeError as exc:
+            raise ValueError(f"bad request: {exc}") from None
+        return req.id, payload
+
+    def _deadline_result(self, rid: str, waited: float) -> P.ExecResult:
+        return P.ExecResult(id=rid, status=P.Status.SANDBOX_ERROR,
+                            message=f"no reply from {self.address} within {waited:.1f} s (client deadline)")
+
+    def run(self, code: str, *, timeout: float = 10.0, memory_mb: int = 1024,
+            stdin: str | None = None, files: dict[str, bytes] | None = None) -> P.ExecResult:
+        rid, payload = self._build(code, timeout, memory_mb, stdin, files)
+        start = time.monotonic()
+        deadline = start + timeout + self.config.deadline_slack_s
+        backoff = self.config.backoff_initial_s
+        with self._lock:
+            sock = self._sync_socket()
+            while True:
+                sock.send_multipart([P.KIND_EXEC, payload])
+                result = self._wait_sync(sock, rid, deadline)
+                if result is None:
+                    return self._deadline_result(rid, time.monotonic() - start)
+                if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded
+                        or time.monotonic() + backoff >= deadline):
+                    return result
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    def _sync_socket(self) -> zmq.Socket:
+        if self._sync is None:
+            self._sync = zmq.Context.instance().socket(zmq.DEALER)
+            self._sync.setsockopt(zmq.LINGER, 0)
+            self._sync.connect(self.address)
+        return self._sync
+
+    @staticmethod
+    def _wait_sync(sock: zmq.Socket, rid: str, deadline: float) -> P.ExecResult | None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
+                return None
+            frames = sock.recv_multipart()
+            if len(frames) == 2 and frames[0] == P.KIND_RESULT:
+                result = P.decode_result(frames[1])
+                if result.id == rid:
+                    return result
+            # anything else is a late reply to an earlier, abandoned call: drop it
+
+    async def arun(self, code: str, *, timeout: float = 10.0, memory_mb: int = 1024,
+                   stdin: str | None = None, files: dict[str, bytes] | None = None) -> P.ExecResult:
+        rid, payload = self._build(code, timeout, memory_mb, stdin, files)
+        state = self._async_state()
+        start = time.monotonic()
+        deadline = start + timeout + self.config.deadline_slack_s
+        backoff = self.config.backoff_initial_s
+        while True:
+            fut = state.loop.create_future()
+            state.pending[rid] = fut
+            await state.socket.send_multipart([P.KIND_EXEC, payload])
+            try:
+                result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                state.pending.pop(rid, None)
+                return self._deadline_result(rid, time.monotonic() - start)
+            if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded
+                    or time.monotonic() + backoff >= deadline):
+                return result
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    def _async_state(self) -> _AsyncState:
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async.loop is not loop:
+            if self._async is not None:
+                self._async.close()
+            self._async = _AsyncState(zmq.asyncio.Context.instance(), self.address)
+        return self._async
+
+    # ---- status
+
+    def status(self, timeout: float = 5.0) -> P.ClusterStatus:
+        """What the broker sees (workers, their protections, queue); raises TimeoutError if it does not answer."""
+        with self._lock:
+            sock = self._sync_socket()
+            sock.send_multipart([P.KIND_STATUS])
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
+                    raise TimeoutError(f"broker at {self.address} did not answer STATUS within {timeout} s")
+                frames = sock.recv_multipart()
+                if len(frames) == 2 and frames[0] == P.KIND_STATUS:
+                    return P.decode_status(frames[1])
+
+    # ---- lifecycle
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            if self._sync is not None:
+                self._sync.close(linger=0)
+                self._sync = None
+        if self._async is not None:
+            self._async.close()
+            self._async = None
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

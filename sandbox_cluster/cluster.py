@@ -1,0 +1,195 @@
+"""LocalCluster: a broker and N workers as local subprocesses, supervised, for one node.
+
+Used by ``sandbox-cluster serve``, ``sandbox-cluster run`` without ``--connect``, the
+embedded default run, and tests::
+
+    with LocalCluster(workers=2) as cluster:
+        with SandboxClient(cluster.address) as client:
+            print(client.run("print(1 + 1)").stdout)
+
+A worker that dies is restarted (its in-flight request is retried by the broker).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .broker import derive_worker_endpoint
+from .client import SandboxClient
+from .limits import SandboxLimits
+from .protocol import ClusterStatus
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        address: str | None = None,
+        worker_address: str | None = None,
+        slots_per_worker: int = 1,
+        max_queue: int = 10_000,
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_liveness: int = 6,
+        restart_workers: bool = True,
+        env: dict[str, str] | None = None,
+        log_level: str = "WARNING",
+        start_timeout_s: float = 180.0,
+        **limits,
+    ) -> None:
+        if not 1 <= workers <= 512:
+            raise ValueError(f"workers={workers} outside [1, 512]")
+        if not 1 <= slots_per_worker <= 256:
+            raise ValueError(f"slots_per_worker={slots_per_worker} outside [1, 256]")
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue} must be >= 0")
+        try:
+            self.limits = SandboxLimits(**limits)
+        except TypeError as exc:
+            raise ValueError(f"LocalCluster: {exc}") from None
+        self.n_workers = workers
+        self.slots_per_worker = slots_per_worker
+        self.restart_workers = restart_workers
+        self._env = dict(os.environ, **(env or {}))
+        self._log_level = log_level
+        self._hb = (heartbeat_interval_s, heartbeat_liveness)
+        self._tmpdir = tempfile.mkdtemp(prefix="sandbox-cluster-")
+        address = address or f"ipc://{self._tmpdir}/client.sock"
+        worker_address = worker_address or derive_worker_endpoint(address)
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self.broker: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen | None] = [None] * workers
+        self.restarts = 0
+        try:
+            self._start_broker(address, worker_address, max_queue)
+            for i in range(workers):
+                self.workers[i] = self._spawn_worker(i)
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._monitor = threading.Thread(target=self._supervise, name="local-cluster-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- processes
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args]
+
+    def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:
+        interval, liveness = self._hb
+        self.broker = subprocess.Popen(
+            self._cli("broker", "--bind", address, "--worker-bind", worker_address, "--max-queue", str(max_queue),
+                      "--heartbeat-interval", str(interval), "--heartbeat-liveness", str(liveness)),
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=self._env,
+        )
+        ready, _, _ = select.select([self.broker.stdout], [], [], 30)
+        line = self.broker.stdout.readline() if ready else b""
+        try:
+            endpoints = json.loads(line)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"broker did not start (exit {self.broker.poll()}): {line[:200]!r}") from None
+        self.address: str = endpoints["client"]
+        self.worker_address: str = endpoints["worker"]
+
+    def _spawn_worker(self, index: int) -> subprocess.Popen:
+        interval, liveness = self._hb
+        return subprocess.Popen(
+            self._cli("worker", "--connect", self.worker_address, "--slots", str(self.slots_per_worker),
+                      "--name", f"local-{index}", "--limits", self.limits.to_json(),
+                      "--heartbeat-interval", str(interval), "--heartbeat-liveness", str(liveness)),
+            stdin=subprocess.DEVNULL, env=self._env,
+        )
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        want = self.n_workers * self.slots_per_worker
+        end = time.monotonic() + timeout_s
+        with SandboxClient(self.address) as client:
+            while True:
+                for i, proc in enumerate(self.workers):
+                    if proc is not None and proc.poll() is not None:
+                        raise RuntimeError(f"worker {i} exited with {proc.returncode} during start (see log)")
+                if self.broker.poll() is not None:
+                    raise RuntimeError(f"broker exited with {self.broker.returncode} during start")
+                status = client.status(timeout=max(1.0, end - time.monotonic()))
+                if sum(w.free for w in status.workers) >= want:
+                    return
+                if time.monotonic() > end:
+                    raise RuntimeError(f"cluster not ready after {timeout_s} s: {status}")
+                time.sleep(0.05)
+
+    def _supervise(self) -> None:
+        while not self._closing.wait(0.2):
+            with self._lock:
+                for i, proc in enumerate(self.workers):
+                    if proc is None or proc.poll() is None or self._closing.is_set():
+                        continue
+                    log.warning("worker %d exited with %s", i, proc.returncode)
+                    if self.restart_workers:
+                        self.workers[i] = self._spawn_worker(i)
+                        self.restarts += 1
+
+    # ---- public
+
+    @property
+    def broker_pid(self) -> int:
+        assert self.broker is not None
+        return self.broker.pid
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.workers if p is not None and p.poll() is None]
+
+    def kill_worker(self, index: int) -> int:
+        """SIGKILL one worker process (it is restarted); returns its pid."""
+        with self._lock:
+            proc = self.workers[index]
+            assert proc is not None
+            proc.kill()
+            return proc.pid
+
+    def status(self) -> ClusterStatus:
+        with SandboxClient(self.address) as client:
+            return client.status()
+
+    def wait_workers(self, timeout_s: float = 120.0) -> None:
+        """Block until every slot is registered and idle again (e.g. after kill_worker)."""
+        self._wait_ready(timeout_s)
+
+    def close(self) -> None:
+        self._closing.set()
+        with self._lock:
+            procs = [p for p in self.workers if p is not None] + ([self.broker] if self.broker else [])
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            end = time.monotonic() + 5.0
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d ignored SIGTERM; killing", proc.pid)
+                    proc.kill()
+                    proc.wait()
+            if self.broker is not None and self.broker.stdout is not None:
+                self.broker.stdout.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

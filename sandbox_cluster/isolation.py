@@ -1,0 +1,298 @@
+"""Host isolation primitives used by a zygote: namespaces, mounts, cgroups, seccomp, uids.
+
+Each primitive either works or raises ``OSError``/``RuntimeError`` with the reason; the
+zygote turns that into a ``Protection(active=False, detail=...)`` that is logged at start
+and reported in STATUS replies. Nothing here is silently skipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.unshare.argtypes = (ctypes.c_int,)
+_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+NAMESPACE_FLAGS = (
+    CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET
+)
+
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+
+# Directories a non-root process can usually write to; each gets a private size-limited tmpfs.
+WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+WORKDIR = "/tmp"
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(
+        _libc.mount(
+            source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
+
+
+def prctl(option: int, arg: int = 0) -> None:
+    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+# --------------------------------------------------------------------------- namespaces / mounts
+
+
+def enter_private_namespaces() -> None:
+    """Give the calling process (the zygote) an empty network namespace and a private mount namespace."""
+    unshare(CLONE_NEWNET | CLONE_NEWNS)
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+def mount_private_tmpfs(size_mb: int, uid: int, gid: int) -> list[str]:
+    """Mount a size-limited tmpfs owned by the slot uid over each world-writable dir; returns the mount points."""
+    mounted = []
+    for path in WORLD_WRITABLE_DIRS:
+        if not os.path.isdir(path):
+            continue
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0700,uid={uid},gid={gid}")
+        mounted.append(path)
+    if WORKDIR not in mounted:
+        raise RuntimeError(f"{WORKDIR} does not exist; no working directory")
+    return mounted
+
+
+def wipe_dir(path: str) -> None:
+    """Remove everything inside ``path`` (as root: a cell's chmod tricks do not stop it)."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                os.chmod(entry.path, 0o700)
+                wipe_dir(entry.path)
+                os.rmdir(entry.path)
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------- uids
+
+
+class UidLease:
+    """An unprivileged uid reserved for one slot on this host (flock on a lock file, released on exit)."""
+
+    LOCK_DIR = Path("/run/sandbox-cluster")
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, first: int = 61000, count: int = 2000) -> UidLease:
+        cls.LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for uid in range(first, first + count):
+            fd = os.open(cls.LOCK_DIR / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return cls(uid, fd)
+        raise RuntimeError(f"no free sandbox uid in [{first}, {first + count})")
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# --------------------------------------------------------------------------- cgroups (v1)
+
+
+def _own_cgroup_path(controller: str) -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return path
+    raise RuntimeError(f"cgroup controller {controller} not in /proc/self/cgroup")
+
+
+class SlotCgroup:
+    """One v1 cgroup directory of one controller (memory or pids) for one slot."""
+
+    def __init__(self, controller: str, name: str) -> None:
+        root = Path("/sys/fs/cgroup") / controller
+        if not (root / "cgroup.procs").exists():
+            raise RuntimeError(f"cgroup v1 controller {controller} is not mounted at {root}")
+        self.path = root / _own_cgroup_path(controller).lstrip("/") / "sandbox-cluster" / name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.kill_all()
+
+    def write(self, key: str, value: str | int) -> None:
+        (self.path / key).write_text(str(value))
+
+    def read(self, key: str) -> str:
+        return (self.path / key).read_text()
+
+    def procs_file(self) -> str:
+        return str(self.path / "cgroup.procs")
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in self.read("cgroup.procs").split()]
+
+    def kill_all(self, deadline_s: float = 2.0) -> bool:
+        """SIGKILL every process in the cgroup until it is empty; True if empty."""
+        end = time.monotonic() + deadline_s
+        while True:
+            pids = self.pids()
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > end:
+                return False
+            reap_zombies()
+            time.sleep(0.001)
+
+    def remove(self) -> None:
+        self.kill_all()
+        try:
+            self.path.rmdir()
+        except OSError as exc:
+            log.warning("could not remove cgroup %s: %s", self.path, exc)
+
+
+def memory_oom_kills(cg: SlotCgroup) -> int:
+    for line in cg.read("memory.oom_control").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def set_memory_limit(cg: SlotCgroup, limit_bytes: int, with_swap: bool) -> None:
+    """Set memory (and memory+swap when the host has swap accounting) to the same limit."""
+    keys = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if with_swap else [])
+    try:
+        for key in keys:
+            cg.write(key, limit_bytes)
+    except OSError:
+        for key in reversed(keys):  # memsw must stay >= limit: raise it first when growing
+            cg.write(key, limit_bytes)
+
+
+def procs_of_uid(uid: int) -> list[int]:
+    """Fallback tree discovery when no cgroup is available: every process owned by ``uid``."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    out.append(int(entry.name))
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def reap_zombies() -> None:
+    """Reap children reparented to us (we are a subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+# --------------------------------------------------------------------------- seccomp
+
+_DENIED_SYSCALLS = (
+    # debugging / other processes' memory
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    # namespaces and mounts
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # kernel and host state
+    "reboot", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "swapon", "swapoff", "acct", "quotactl", "syslog", "settimeofday", "clock_settime", "adjtimex",
+    "iopl", "ioperm", "sethostname", "setdomainname",
+    # large attack surface, not needed by Python cells
+    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "fanotify_init",
+    "open_by_handle_at", "name_to_handle_at",
+    # no sockets at all (socketpair stays allowed: pipes between a cell's own processes)
+    "socket",
+)
+
+
+def build_seccomp_filter():
+    """A filter that allows everything except the calls above (EPERM) and namespace-creating clones.
+
+    Built once per zygote; each forked cell only calls ``.load()``. Syscalls of other
+    architectures (e.g. i386 via int 0x80) hit libseccomp's bad-arch action (kill).
+    """
+    import pyseccomp as seccomp
+
+    flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    eperm = seccomp.ERRNO(errno.EPERM)
+    for name in _DENIED_SYSCALLS:
+        try:
+            flt.add_rule(eperm, name)
+        except (OSError, ValueError, RuntimeError):
+            log.debug("syscall %s unknown on this architecture", name)
+    for flag in NAMESPACE_FLAGS:
+        flt.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    # clone3 passes its flags in memory, out of seccomp's reach: make libc fall back to clone.
+    try:
+        flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    except (OSError, ValueError, RuntimeError):
+        pass
+    return flt

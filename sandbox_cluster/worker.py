@@ -1,0 +1,299 @@
+"""A worker: one process that owns N slots (one warm zygote each) and talks to the broker.
+
+The worker keeps the ZeroMQ DEALER socket; zygotes never touch ZeroMQ. It announces its
+idle slots (READY), takes at most one request per idle slot (the broker only sends to
+announced slots, so no request waits behind a slow cell), forwards results, heartbeats,
+and replaces a zygote that dies (telling the broker, which retries the request once
+elsewhere). When the broker goes silent the worker reconnects with a fresh identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from . import protocol as P
+from .isolation import UidLease
+from .limits import SandboxLimits
+from .zygote import CELL_ENV, decode_zygote_hello, recv_frame, send_frame
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    connect: str  # the broker's worker endpoint
+    slots: int = 1
+    name: str = ""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    heartbeat_interval_s: float = 0.5
+    heartbeat_liveness: int = 6  # broker silent this many intervals -> reconnect
+    uid_base: int = 61000
+    zygote_start_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if "://" not in self.connect:
+            raise ValueError(f"connect={self.connect!r} is not a ZeroMQ endpoint (tcp://host:port or ipc://path)")
+        if not 1 <= self.slots <= 256:
+            raise ValueError(f"slots={self.slots} outside [1, 256]")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 2:
+            raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_liveness >= 2")
+        if not 1000 <= self.uid_base < 2**31 - 10000:
+            raise ValueError(f"uid_base={self.uid_base} outside [1000, 2**31-10000)")
+        if not self.name:
+            self.name = f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ZygoteProcess:
+    """One slot: a zygote subprocess, its socketpair, and the request it is running."""
+
+    def __init__(self, index: int, uid_lease: UidLease, limits: SandboxLimits) -> None:
+        self.index = index
+        self.uid_lease = uid_lease
+        self.limits = limits
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.ready = False
+        self.busy_id: str | None = None
+        self.credit_owed = False  # died while busy: the broker gets this slot back when it is ready again
+        self.protections: list[P.Protection] = []
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(CELL_ENV, PYTHONPATH=_PACKAGE_PARENT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
+             "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid())],
+            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
+        )
+        theirs.close()
+        self.sock = ours
+        self.ready = False
+        self.busy_id = None
+
+    def fileno(self) -> int:
+        assert self.sock is not None
+        return self.sock.fileno()
+
+    def send(self, payload: bytes) -> None:
+        assert self.sock is not None
+        send_frame(self.sock, payload)
+
+    def recv(self) -> bytes | None:
+        assert self.sock is not None
+        return recv_frame(self.sock)
+
+    def stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        self.ready = False
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context.instance()
+        self.socket: zmq.Socket | None = None
+        self.slots: list[ZygoteProcess] = []
+        self.leases: list[UidLease] = []
+        self._stop = False
+        self._last_broker_msg = 0.0
+
+    # ---- lifecycle
+
+    def _connect(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"{self.config.name}/{uuid.uuid4().hex[:8]}".encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.config.connect)
+        self._last_broker_msg = time.monotonic()
+        self._announce(self._idle_slots())
+
+    def _idle_slots(self) -> int:
+        return sum(1 for s in self.slots if s.ready and s.busy_id is None)
+
+    def _announce(self, free: int) -> None:
+        assert self.socket is not None
+        hello = P.WorkerHello(name=self.config.name, slots=self.config.slots, free=free,
+                              protections=self.protections())
+        self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
+
+    def protections(self) -> list[P.Protection]:
+        """Per protection: active only if every ready slot has it."""
+        merged: dict[str, P.Protection] = {}
+        for slot in self.slots:
+            for p in slot.protections:
+                if p.name not in merged or (merged[p.name].active and not p.active):
+                    merged[p.name] = p
+        return list(merged.values())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        try:
+            for i in range(self.config.slots):
+                lease = UidLease.acquire(self.config.uid_base)
+                self.leases.append(lease)
+                self.slots.append(ZygoteProcess(i, lease, self.config.limits))
+            for slot in self.slots:
+                slot.start()
+            self._wait_zygotes_ready()
+            self._log_protections()
+            self._connect()
+            self._loop()
+        finally:
+            if self.socket is not None:
+                try:
+                    self.socket.send_multipart([P.KIND_BYE], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self.socket.close(linger=0)
+            for slot in self.slots:
+                slot.stop()
+            for lease in self.leases:
+                lease.release()
+
+    def _wait_zygotes_ready(self) -> None:
+        end = time.monotonic() + self.config.zygote_start_timeout_s
+        for slot in self.slots:
+            slot.sock.settimeout(max(0.1, end - time.monotonic()))
+            try:
+                frame = slot.recv()
+            except (TimeoutError, ConnectionError, OSError) as exc:
+                raise RuntimeError(f"zygote {slot.index} did not start: {exc}") from None
+            if frame is None:
+                raise RuntimeError(f"zygote {slot.index} exited during start (see its log above)")
+            slot.sock.settimeout(None)
+            slot.protections = decode_zygote_hello(frame)
+            slot.ready = True
+
+    def _log_protections(self) -> None:
+        missing = [p for p in self.protections() if not p.active]
+        for p in self.protections():
+            log.info("protection %-18s %s %s", p.name, "active" if p.active else "MISSING", p.detail)
+        if missing and self.config.limits.require_full_isolation:
+            raise RuntimeError(f"host cannot give: {', '.join(p.name for p in missing)} (require_full_isolation)")
+        if missing:
+            log.warning("running WITHOUT: %s", ", ".join(f"{p.name} ({p.detail})" for p in missing))
+
+    # ---- main loop
+
+    def _loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_heartbeat = time.monotonic()
+        pending: list[tuple[bytes, bytes]] = []  # requests that arrived while no slot was idle
+        while not self._stop:
+            poller = zmq.Poller()
+            poller.register(self.socket, zmq.POLLIN)
+            for slot in self.slots:
+                if slot.sock is not None:
+                    poller.register(slot.sock, zmq.POLLIN)
+            timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000))
+            events = dict(poller.poll(timeout_ms))
+            if self.socket in events:
+                self._on_broker(pending)
+            for slot in self.slots:
+                if slot.sock is not None and slot.sock.fileno() in events:
+                    self._on_zygote(slot)
+            self._dispatch_pending(pending)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self.socket.send_multipart([P.KIND_HEARTBEAT])
+                next_heartbeat = now + interval
+                if now - self._last_broker_msg > interval * self.config.heartbeat_liveness:
+                    log.warning("broker silent for %.1f s; reconnecting", now - self._last_broker_msg)
+                    pending.clear()
+                    self._connect()
+
+    def _on_broker(self, pending: list[tuple[bytes, bytes]]) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_broker_msg = time.monotonic()
+            kind = frames[0]
+            if kind == P.KIND_EXEC and len(frames) == 2:
+                pending.append((frames[1], b""))
+            elif kind == P.KIND_RESET:
+                log.info("broker does not know us; announcing again")
+                pending.clear()  # the broker has requeued or forgotten them
+                self._announce(self._idle_slots())
+            elif kind != P.KIND_HEARTBEAT:
+                log.warning("unexpected message from broker: %r", kind[:32])
+
+    def _dispatch_pending(self, pending: list[tuple[bytes, bytes]]) -> None:
+        while pending:
+            slot = next((s for s in self.slots if s.ready and s.busy_id is None), None)
+            if slot is None:
+                return
+            payload, _ = pending.pop(0)
+            try:
+                req = P.decode_request(payload)
+            except ValueError as exc:  # the broker validated it; this is a bug, but answer anyway
+                self.socket.send_multipart([P.KIND_RESULT, P.encode(
+                    P.ExecResult(id=P.salvage_id(payload), status=P.Status.SANDBOX_ERROR, message=str(exc)))])
+                continue
+            slot.busy_id = req.id
+            try:
+                slot.send(payload)
+            except OSError as exc:
+                self._zygote_died(slot, f"send failed: {exc}")
+
+    def _on_zygote(self, slot: ZygoteProcess) -> None:
+        try:
+            frame = slot.recv()
+        except (ConnectionError, OSError) as exc:
+            frame, reason = None, str(exc)
+        else:
+            reason = "zygote exited"
+        if frame is None:
+            self._zygote_died(slot, reason)
+            return
+        if not slot.ready:  # a restarted zygote finished warming up
+            slot.protections = decode_zygote_hello(frame)
+            slot.ready = True
+            if not slot.credit_owed:
+                return
+            slot.credit_owed = False
+            self.socket.send_multipart([P.KIND_READY, P.encode_msg(P.WorkerHello(
+                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections()))])
+            return
+        slot.busy_id = None
+        self.socket.send_multipart([P.KIND_RESULT, frame])
+
+    def _zygote_died(self, slot: ZygoteProcess, reason: str) -> None:
+        code = slot.proc.poll() if slot.proc is not None else None
+        log.error("zygote %d died (%s, exit %s); restarting", slot.index, reason, code)
+        busy = slot.busy_id
+        slot.stop()
+        slot.credit_owed = busy is not None
+        if busy is not None:
+            self.socket.send_multipart([P.KIND_FAILED, P.encode_msg(P.SlotFailure(id=busy, reason=reason))])
+        slot.start()
+
+
+def run_worker(config: WorkerConfig) -> None:
+    Worker(config).run()

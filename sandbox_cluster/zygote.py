@@ -1,0 +1,520 @@
+"""The zygote: a warm, root-owned interpreter per slot that forks one isolated child per cell.
+
+A worker starts it with ``python -m sandbox_cluster.zygote`` and a *clean* environment (so
+neither its memory nor ``/proc/<pid>/environ`` holds the worker's secrets), hands it one
+end of a socketpair, and speaks length-prefixed msgpack over it: requests in, results out.
+The zygote holds no ZeroMQ state (ZeroMQ's threads do not survive ``fork``).
+
+At start the zygote enters its own network namespace (only a down loopback) and mount
+namespace (size-limited private tmpfs over /tmp, /var/tmp and /dev/shm), creates the slot's
+memory and pids cgroups, builds the seccomp filter, imports and *exercises* numpy and sympy,
+then freezes the GC so forked children do not copy-on-write the warm heap.
+
+Per request the forked child: starts a new session, joins the cgroups, gets fresh stdio
+pipes, closes every other fd, chdirs into the private /tmp, sets rlimits, drops to the
+slot's uid/gid, gets a minimal environment, loads seccomp, and runs the code in-process
+with the warm modules. The zygote (a child subreaper) enforces the wall clock and the
+output cap, then kills the cell's whole process tree and wipes the tmpfs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import gc
+import io
+import logging
+import math
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+import msgspec
+
+from . import isolation
+from .limits import SandboxLimits
+from .protocol import ExecRequest, ExecResult, Protection, Status, decode_request, encode, encode_msg
+
+log = logging.getLogger(__name__)
+
+EXIT_MEMORY = 252  # the cell raised MemoryError
+EXIT_SETUP = 253  # the sandbox could not set the cell up (reported as sandbox_error)
+
+CELL_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": isolation.WORKDIR,
+    "TMPDIR": isolation.WORKDIR,
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+_LEN = struct.Struct("!I")
+
+
+class _ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
+    protections: list[Protection]
+
+
+def decode_zygote_hello(data: bytes) -> list[Protection]:
+    return msgspec.msgpack.decode(data, type=_ZygoteHello).protections
+
+
+# --------------------------------------------------------------------------- framing (worker <-> zygote)
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """One frame, or None on a clean EOF."""
+    header = _recv_exact(sock, _LEN.size)
+    if header is None:
+        return None
+    (size,) = _LEN.unpack(header)
+    payload = _recv_exact(sock, size)
+    if payload is None:
+        raise ConnectionError("peer closed mid-frame")
+    return payload
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(min(size - len(buf), 1 << 20))
+        if not chunk:
+            if buf:
+                raise ConnectionError("peer closed mid-frame")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def warm_up() -> None:
+    """Import and actually call what cells use, so no child pays a lazy import or a cold cache."""
+    import collections, decimal, fractions, functools, heapq, itertools, json, random, re, statistics  # noqa: F401,E401
+    import linecache, traceback  # noqa: F401,E401
+
+    import numpy as np
+    import sympy
+
+    x, y = sympy.symbols("x y")
+    sympy.solve(x**2 - 4)
+    sympy.solve(x**2 - 4, x)
+    sympy.solve([x + y - 3, x - y - 1], [x, y])
+    sympy.simplify(sympy.sin(x) ** 2 + sympy.cos(x) ** 2)
+    sympy.integrate(x**2, x)
+    sympy.expand((x + 1) ** 3)
+    sympy.factorint(360)
+    sympy.Rational(1, 3) + sympy.sqrt(2)
+    sympy.latex(x**2 / 2)
+    np.arange(100).sum()
+    np.linalg.solve(np.eye(3), np.ones(3))
+    np.random.default_rng(0).random(10).mean()
+    str(np.array([1.5, 2.5]))
+
+
+# --------------------------------------------------------------------------- output capture
+
+
+class _Capture:
+    """Keeps the head and the tail of one stream, counts the rest."""
+
+    __slots__ = ("head", "tail", "total", "head_max", "tail_max")
+
+    def __init__(self, head_max: int, tail_max: int) -> None:
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.head_max = head_max
+        self.tail_max = tail_max
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_max - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data and self.tail_max:
+            self.tail += data
+            if len(self.tail) > 2 * self.tail_max:
+                del self.tail[: -self.tail_max]
+
+    def render(self) -> tuple[str, bool]:
+        tail = bytes(self.tail[-self.tail_max :]) if self.tail_max else b""
+        dropped = self.total - len(self.head) - len(tail)
+        if dropped <= 0:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace"), False
+        marker = f"\n[... {dropped} bytes truncated ...]\n".encode()
+        return (bytes(self.head) + marker + tail).decode("utf-8", "replace"), True
+
+
+# --------------------------------------------------------------------------- the zygote
+
+
+class Zygote:
+    def __init__(self, *, uid: int, limits: SandboxLimits) -> None:
+        self.uid = uid
+        self.gid = uid
+        self.limits = limits
+        self.protections: list[Protection] = []
+        self.memory_cg: isolation.SlotCgroup | None = None
+        self.pids_cg: isolation.SlotCgroup | None = None
+        self.seccomp = None
+        self.swap_accounting = False
+        self.can_switch_uid = os.geteuid() == 0
+        self.tmpfs_dirs: list[str] = []
+
+    # ---- setup, once
+
+    def _protect(self, name: str, fn) -> object:
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - any failure means "not given", with its reason
+            self.protections.append(Protection(name=name, active=False, detail=f"{type(exc).__name__}: {exc}"))
+            log.warning("protection %s NOT active: %s", name, exc)
+            return None
+        self.protections.append(Protection(name=name, active=True, detail=out if isinstance(out, str) else ""))
+        return out
+
+    def setup(self) -> None:
+        self._protect("subreaper", lambda: isolation.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1))
+        self._protect("clean_environment", self._check_clean_env)
+
+        def uid_switch() -> str:
+            if not self.can_switch_uid:
+                raise PermissionError("worker is not root; cells run as the worker's uid")
+            return f"uid={self.uid}"
+
+        self._protect("uid_switch", uid_switch)
+        netns = self._protect("network_namespace", lambda: isolation.unshare(isolation.CLONE_NEWNET) or "empty netns")
+        del netns
+
+        def private_tmp() -> str:
+            isolation.unshare(isolation.CLONE_NEWNS)
+            isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
+            self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
+            return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
+
+        if self._protect("private_tmpfs", private_tmp) is None:
+            os.makedirs(isolation.WORKDIR, exist_ok=True)
+        name = f"uid-{self.uid}"
+        self.memory_cg = self._protect("cgroup_memory", lambda: isolation.SlotCgroup("memory", name))
+        self.pids_cg = self._protect("cgroup_pids", lambda: isolation.SlotCgroup("pids", name))
+        if self.pids_cg is not None:
+            self.pids_cg.write("pids.max", self.limits.max_processes)
+        if self.memory_cg is not None:
+            self.swap_accounting = (self.memory_cg.path / "memory.memsw.limit_in_bytes").exists()
+        self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
+        # rlimits are always available (setrlimit needs no privilege to lower limits).
+        self.protections.append(Protection(name="rlimits", active=True, detail="cpu,as,fsize,nproc,nofile,core"))
+
+    @staticmethod
+    def _check_clean_env() -> str:
+        extra = sorted(set(os.environ) - set(CELL_ENV) - {"PYTHONPATH", "PYTHONHASHSEED", "LC_CTYPE"})
+        if extra:
+            raise RuntimeError(f"zygote environment has unexpected variables: {', '.join(extra)}")
+        return "zygote exec'd with a minimal environment"
+
+    def close(self) -> None:
+        for cg in (self.memory_cg, self.pids_cg):
+            if cg is not None:
+                cg.remove()
+
+    # ---- per request
+
+    def execute(self, req: ExecRequest) -> ExecResult:
+        for d in self.tmpfs_dirs or [isolation.WORKDIR]:
+            isolation.wipe_dir(d)
+        mem_bytes = req.memory_mb << 20
+        oom_before = 0
+        if self.memory_cg is not None:
+            try:
+                isolation.set_memory_limit(self.memory_cg, mem_bytes, self.swap_accounting)
+                oom_before = isolation.memory_oom_kills(self.memory_cg)
+            except OSError as exc:
+                return ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"cgroup memory limit: {exc}")
+        vm_size = _vm_size_bytes()
+        cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC) if req.stdin else os.open(os.devnull, os.O_RDONLY)
+        if req.stdin:
+            os.write(stdin_fd, req.stdin.encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # ---------------------------------------------------- the cell
+            self._child(req, stdin_fd, out_w, err_w, vm_size + mem_bytes, cpu_limit)
+        os.close(out_w)
+        os.close(err_w)
+        os.close(stdin_fd)
+        verdict, wall, exit_status, rusage, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
+        stdout, stdout_trunc = captures[0].render()
+        stderr, stderr_trunc = captures[1].render()
+        cpu_time = rusage.ru_utime + rusage.ru_stime
+        exit_code = os.waitstatus_to_exitcode(exit_status)
+        oom = self.memory_cg is not None and isolation.memory_oom_kills(self.memory_cg) > oom_before
+        message = ""
+        if verdict is not None:
+            status = verdict
+            message = {
+                Status.TIMEOUT: f"wall-clock timeout after {req.timeout:g} s",
+                Status.OUTPUT_LIMIT: f"output passed {self.limits.output_hard_cap_bytes} bytes; killed",
+            }[verdict]
+        elif exit_code == EXIT_MEMORY or oom:
+            status, message = Status.MEMORY, f"memory limit {req.memory_mb} MiB exceeded"
+            exit_code = 1 if exit_code == EXIT_MEMORY else exit_code
+        elif exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_time >= cpu_limit - 0.1:
+            status, message = Status.TIMEOUT, f"CPU time limit {cpu_limit} s exceeded"
+        elif exit_code == EXIT_SETUP:
+            status, message = Status.SANDBOX_ERROR, stderr.strip().splitlines()[-1] if stderr.strip() else "setup failed"
+        elif exit_code == 0:
+            status = Status.OK
+        else:
+            status = Status.ERROR
+            if exit_code < 0:
+                message = f"killed by signal {signal.Signals(-exit_code).name}"
+        return ExecResult(
+            id=req.id, status=status, stdout=stdout, stderr=stderr, exit_code=exit_code,
+            wall_time=wall, cpu_time=cpu_time, stdout_truncated=stdout_trunc, stderr_truncated=stderr_trunc,
+            message=message,
+        )
+
+    def _supervise(self, pid: int, timeout: float, start: float, out_r: int, err_r: int):
+        lim = self.limits
+        captures = (_Capture(lim.output_head_bytes, lim.output_tail_bytes),
+                    _Capture(lim.output_head_bytes, lim.output_tail_bytes))
+        streams = {out_r: captures[0], err_r: captures[1]}
+        pidfd = os.pidfd_open(pid)
+        deadline = start + timeout
+        verdict = None
+        exited_at = None
+        try:
+            while streams or exited_at is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    if exited_at is None:
+                        verdict = Status.TIMEOUT
+                    break
+                watch = list(streams) + ([pidfd] if exited_at is None else [])
+                ready, _, _ = select.select(watch, [], [], deadline - now)
+                for fd in ready:
+                    if fd == pidfd:
+                        # The cell is done; descendants may still hold the pipes: drain briefly, then kill.
+                        exited_at = time.monotonic()
+                        deadline = min(deadline, exited_at + 0.05)
+                        continue
+                    data = os.read(fd, 1 << 16)
+                    if not data:
+                        os.close(fd)
+                        del streams[fd]
+                        continue
+                    streams[fd].add(data)
+                    if captures[0].total + captures[1].total > lim.output_hard_cap_bytes:
+                        verdict = Status.OUTPUT_LIMIT
+                        break
+                if verdict is not None:
+                    break
+            if verdict is not None or exited_at is None:
+                self._kill_cell(pid)
+            _, exit_status, rusage = os.wait4(pid, 0)
+            wall = (exited_at or time.monotonic()) - start
+            self._kill_tree()
+            for fd, cap in streams.items():  # every writer is dead now: drain what is buffered
+                os.set_blocking(fd, False)
+                while True:
+                    try:
+                        data = os.read(fd, 1 << 16)
+                    except BlockingIOError:
+                        break
+                    if not data:
+                        break
+                    cap.add(data)
+        finally:
+            os.close(pidfd)
+            for fd in streams:
+                os.close(fd)
+        return verdict, wall, exit_status, rusage, captures
+
+    def _kill_cell(self, pid: int) -> None:
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
+            except ProcessLookupError:
+                pass
+
+    def _kill_tree(self) -> None:
+        """Kill every process the cell left behind (setsid orphans included) and reap them."""
+        cg = self.pids_cg or self.memory_cg
+        if cg is not None:
+            if not cg.kill_all():
+                log.error("cgroup %s still has processes after kill", cg.path)
+        elif self.can_switch_uid:
+            for _ in range(1000):
+                pids = isolation.procs_of_uid(self.uid)
+                if not pids:
+                    break
+                for p in pids:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                isolation.reap_zombies()
+        isolation.reap_zombies()
+
+    def _child(self, req: ExecRequest, stdin_fd: int, out_w: int, err_w: int, as_limit: int, cpu_limit: int):
+        """Runs in the forked cell; never returns."""
+        try:
+            os.setsid()
+            pid = str(os.getpid())
+            for cg in (self.memory_cg, self.pids_cg):
+                if cg is not None:
+                    with open(cg.procs_file(), "w") as f:
+                        f.write(pid)
+            os.dup2(stdin_fd, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            os.chdir(isolation.WORKDIR)
+            lim = self.limits
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 1))
+            resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb << 20, lim.max_file_mb << 20))
+            resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
+            if self.can_switch_uid:
+                os.setgroups([])
+                os.setresgid(self.gid, self.gid, self.gid)
+                os.setresuid(self.uid, self.uid, self.uid)
+            isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+            os.environ.clear()
+            os.environ.update(CELL_ENV)
+            sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                          errors="backslashreplace")
+            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                          errors="backslashreplace", line_buffering=True)
+            sys.argv = ["<cell>"]
+        except BaseException as exc:  # noqa: BLE001
+            os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
+            os._exit(EXIT_SETUP)
+        for name, content in req.files.items():
+            try:
+                with open(name, "wb") as f:
+                    f.write(content)
+            except OSError as exc:
+                os.write(2, f"could not write input file {name!r}: {exc}\n".encode())
+                os._exit(1)
+        if self.seccomp is not None:
+            try:
+                self.seccomp.load()
+            except BaseException as exc:  # noqa: BLE001
+                os.write(2, f"sandbox setup failed: seccomp: {exc}\n".encode())
+                os._exit(EXIT_SETUP)
+        os._exit(_run_cell(req.code))
+
+
+def _run_cell(code: str) -> int:
+    import linecache
+    import traceback
+
+    linecache.cache["<cell>"] = (len(code), None, code.splitlines(True), "<cell>")
+    exit_code = 0
+    try:
+        exec(compile(code, "<cell>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as exc:
+        if exc.code is None:
+            exit_code = 0
+        elif isinstance(exc.code, int):
+            exit_code = exc.code & 0xFF
+        else:
+            print(exc.code, file=sys.stderr)
+            exit_code = 1
+    except MemoryError as exc:
+        try:
+            _print_cell_traceback(exc)
+        except MemoryError:
+            os.write(2, b"MemoryError\n")
+        exit_code = EXIT_MEMORY
+    except BaseException as exc:  # noqa: BLE001 - the cell's own error, reported in stderr
+        _print_cell_traceback(exc)
+        exit_code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - closed / broken by the cell
+            pass
+    return exit_code
+
+
+def _print_cell_traceback(exc: BaseException) -> None:
+    """The traceback as a plain ``python file.py`` would print it: without the sandbox's own frame."""
+    import traceback
+
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is _run_cell.__code__:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sandbox_cluster.zygote")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--uid", type=int, required=True)
+    parser.add_argument("--limits", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s zygote[uid {args.uid}] %(levelname)s %(message)s")
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent:
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sock = socket.socket(fileno=args.fd)
+    zygote = Zygote(uid=args.uid, limits=SandboxLimits.from_json(args.limits))
+    try:
+        zygote.setup()
+        warm_up()
+        gc.collect()
+        gc.freeze()
+        send_frame(sock, encode_msg(_ZygoteHello(protections=zygote.protections)))
+        while True:
+            frame = recv_frame(sock)
+            if frame is None:
+                return 0
+            try:
+                req = decode_request(frame)
+            except ValueError as exc:
+                send_frame(sock, encode(ExecResult(id="", status=Status.SANDBOX_ERROR, message=str(exc))))
+                continue
+            send_frame(sock, encode(zygote.execute(req)))
+    except (ConnectionError, BrokenPipeError):
+        return 0
+    finally:
+        zygote.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
