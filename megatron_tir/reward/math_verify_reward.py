@@ -1,0 +1,198 @@
+"""Outcome reward: is the final ``\\boxed{}`` answer equivalent to the ground truth?
+
+The check is math-verify (LaTeX/expression parsing into SymPy, then equivalence), run in
+a small pool of worker processes so that a pathological expression (``(10^{9})!`` makes
+SymPy compute a factorial of a billion) cannot hang a run: each check has a wall-clock
+limit, and a worker that passes it is killed and replaced; the answer scores 0.
+math-verify's own timeouts use ``signal.alarm``, which works only in a main thread and
+cannot stop a C-level loop, so they are switched off in favour of the kill.
+
+Works from any thread and from asyncio (:meth:`MathVerifier.ascore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    timeout_s: float = 10.0  # wall-clock limit of one check (parse + verify)
+    workers: int = 2
+    float_rounding: int = 6
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"reward workers must be >= 1, got {self.workers}")
+
+
+def _boxed(expr: str) -> str:
+    return "\\boxed{" + expr + "}"
+
+
+def verify_answer(answer: str, ground_truth: str, float_rounding: int = 6) -> bool:
+    """The math-verify check itself, without a time limit (runs inside a worker)."""
+    import logging as _logging
+
+    from math_verify import parse, verify
+
+    _logging.getLogger("math_verify").setLevel(_logging.ERROR)
+    gold = parse(_boxed(ground_truth), parsing_timeout=None)
+    pred = parse(_boxed(answer), parsing_timeout=None)
+    if not gold or not pred:
+        return False
+    return bool(verify(gold, pred, float_rounding=float_rounding, timeout_seconds=None))
+
+
+def _worker_main(conn) -> None:  # pragma: no cover - runs in a child process
+    import logging as _logging
+
+    _logging.disable(_logging.WARNING)  # math-verify warns that its timeouts are off
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        answer, truth, rounding = msg
+        try:
+            ok = verify_answer(answer, truth, rounding)
+            conn.send(("ok", ok))
+        except Exception as exc:  # a parse/verify error is a wrong answer, with a note
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="math-verify")
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.proc.join(2)
+        if self.proc.is_alive():
+            self.kill()
+        else:
+            self.conn.close()
+
+
+@dataclass(kw_only=True, slots=True)
+class Verdict:
+    correct: bool
+    timed_out: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.correct else 0.0
+
+
+class MathVerifier:
+    """A pool of math-verify worker processes with a per-check time limit.
+
+    Use as a context manager (or call :meth:`close`). Workers start lazily.
+    """
+
+    def __init__(self, config: RewardConfig | None = None) -> None:
+        self.config = config or RewardConfig()
+        self._ctx = mp.get_context("spawn")  # no fork of a threaded parent
+        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
+        self._slots = threading.Semaphore(self.config.workers)
+        self._lock = threading.Lock()
+        self._all: set[_Worker] = set()
+        self._closed = False
+
+    def _acquire(self) -> _Worker:
+        self._slots.acquire()
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            w = _Worker(self._ctx)
+            with self._lock:
+                self._all.add(w)
+            return w
+
+    def _release(self, w: _Worker | None) -> None:
+        if w is not None:
+            self._idle.put(w)
+        self._slots.release()
+
+    def _discard(self, w: _Worker) -> None:
+        with self._lock:
+            self._all.discard(w)
+        w.kill()
+
+    def check(self, answer: str | None, ground_truth: str) -> Verdict:
+        """Blocking check; ``answer=None`` (no final answer) is wrong without a check."""
+        if self._closed:
+            raise RuntimeError("MathVerifier is closed")
+        if answer is None or not answer.strip():
+            return Verdict(correct=False, error="no final answer")
+        t0 = time.perf_counter()
+        w = self._acquire()
+        try:
+            w.conn.send((answer, ground_truth, self.config.float_rounding))
+            # The first check of a fresh worker also pays its imports (~1-2 s).
+            if not w.conn.poll(self.config.timeout_s):
+                log.warning("math-verify check timed out after %.1f s (answer %.80r); worker killed",
+                            self.config.timeout_s, answer)
+                self._discard(w)
+                w = None
+                return Verdict(correct=False, timed_out=True, seconds=time.perf_counter() - t0)
+            kind, value = w.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            log.warning("math-verify worker died (%s); answer scored 0", exc)
+            self._discard(w)
+            w = None
+            return Verdict(correct=False, error=f"worker died: {exc}", seconds=time.perf_counter() - t0)
+        finally:
+            self._release(w)
+        dt = time.perf_counter() - t0
+        if kind == "ok":
+            return Verdict(correct=bool(value), seconds=dt)
+        return Verdict(correct=False, error=value, seconds=dt)
+
+    async def acheck(self, answer: str | None, ground_truth: str) -> Verdict:
+        return await asyncio.to_thread(self.check, answer, ground_truth)
+
+    def score(self, answer: str | None, ground_truth: str) -> float:
+        return self.check(answer, ground_truth).reward
+
+    async def ascore(self, answer: str | None, ground_truth: str) -> float:
+        return (await self.acheck(answer, ground_truth)).reward
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            workers = list(self._all)
+            self._all.clear()
+        for w in workers:
+            w.stop()
+
+    def __enter__(self) -> "MathVerifier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

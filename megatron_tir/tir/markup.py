@@ -1,0 +1,296 @@
+"""What a model turn contains: fenced code blocks, ``\\boxed{}`` answers, and the turn's kind.
+
+This module is the single definition of the TIR text grammar. The rollout driver asks it
+two questions about the text sampled so far in a turn: *which stop strings should the
+engine use next* (:func:`stop_strings`) and *what is this turn* (:func:`classify_turn`).
+
+Grammar (a small, strict subset of CommonMark fenced code blocks):
+
+* An **opening fence** is a line whose first characters are at most 3 spaces and then
+  ```` ``` ````; the rest of the line is the info string (the language tag). An info
+  string containing a backtick makes the line ordinary text (inline code such as
+  ```` ```x``` ````). A line that starts with ```` ``` ```` *inside* prose is an opening
+  fence; one in the middle of a line is not.
+* A block is **closed** by the first later line that starts with at most 3 spaces and
+  ```` ``` ````; whatever follows on that line is not code. So ``print("```")`` does not
+  close a block, but a line of a multi-line string that starts with ```` ``` ```` does.
+* A block is **executable** when its language tag is ``python``, ``py``, ``python3`` or
+  empty (a bare fence). Other blocks (```` ```output ````, ```` ```bash ````) are text.
+* A **final answer** in model text is the last ``\\boxed{...}`` with balanced braces
+  outside code blocks (``\\boxed`` inside code is a string in a program, not an answer).
+
+A turn is ``"code"`` when it contains a closed executable block (the driver stops the
+engine right there), else ``"answer"`` when its prose has a complete ``\\boxed{}``, else
+``"void"`` -- the SimpleTIR rule: neither a complete code block nor a final answer.
+
+Stop strings and their cost
+---------------------------
+Engines (SGLang included) match stop strings anywhere in the generated text, so the stop
+string ```` ``` ```` would fire on the opening fence as well as on the closing one. The
+driver therefore generates a turn in *phases* and picks the stop strings from the state
+of the text so far:
+
+* outside a block, or inside a block at the start of a line: ``("```",)`` -- this pauses
+  on every opening fence;
+* inside a block, mid-line: ``("\\n```", "\\n ```", "\\n  ```", "\\n   ```")`` -- a closing
+  fence can only start a line, and ``print("```")`` does not pause the engine.
+
+After each phase the parser (not the engine) decides whether the turn is over. A pause
+that was not a turn end (an opening fence, a ``"```"`` inside code at a line start, a
+closed non-Python block) simply continues with a new request that extends the same
+token ids, so every kept token is a sampled token and no sampled token is dropped: each
+event that ends a turn contains one of the active stop strings in the text of the phase
+that produced it. The cost is one extra engine request per code block (two when the
+opening fence is followed by ```` ``` ```` at a line start inside code); SGLang's radix
+cache makes the extra prefill nearly free, the CPU engine re-reads its prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+FENCE = "```"
+EXECUTABLE_LANGS = frozenset({"python", "py", "python3", ""})
+MAX_FENCE_INDENT = 3
+
+# Stop strings the engine gets (see module docstring).
+STOPS_ANY_FENCE: tuple[str, ...] = (FENCE,)
+STOPS_CLOSING_FENCE: tuple[str, ...] = tuple("\n" + " " * k + FENCE for k in range(MAX_FENCE_INDENT + 1))
+
+
+class TurnKind(str, enum.Enum):
+    CODE = "code"  # a complete executable code block: run it, append its feedback
+    ANSWER = "answer"  # no complete code block, a final \boxed{} answer in prose
+    VOID = "void"  # neither: the trajectory stops and is excluded from the policy loss
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CodeBlock:
+    lang: str  # language tag, lower-cased ("" for a bare fence)
+    code: str  # the lines between the fences ("" while the opening line is unfinished)
+    start: int  # offset of the opening fence's backticks in the text
+    end: int | None  # offset just past the closing fence's backticks; None while open
+
+    @property
+    def closed(self) -> bool:
+        return self.end is not None
+
+    @property
+    def executable(self) -> bool:
+        return self.lang in EXECUTABLE_LANGS
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Markup:
+    """The parse of one turn's text."""
+
+    blocks: tuple[CodeBlock, ...]
+    prose: str  # the text outside code blocks (fences included), where answers count
+
+    @property
+    def open_block(self) -> CodeBlock | None:
+        """The block still open at the end of the text, if any."""
+        return self.blocks[-1] if self.blocks and not self.blocks[-1].closed else None
+
+    @property
+    def first_executable(self) -> CodeBlock | None:
+        """The first closed executable block: the one that ends the turn."""
+        for b in self.blocks:
+            if b.closed and b.executable:
+                return b
+        return None
+
+
+def _line_start_fence(text: str, line_start: int) -> int | None:
+    """Offset of ``` if the line at ``line_start`` starts with <= 3 spaces and a fence."""
+    i = line_start
+    while i < len(text) and i - line_start < MAX_FENCE_INDENT and text[i] == " ":
+        i += 1
+    return i if text.startswith(FENCE, i) else None
+
+
+def parse(text: str) -> Markup:
+    """Split ``text`` into fenced blocks and prose, following the module's grammar."""
+    blocks: list[CodeBlock] = []
+    prose: list[str] = []
+    pos = 0  # start of the current line
+    prose_from = 0
+    n = len(text)
+    while pos < n:
+        nl = text.find("\n", pos)
+        line_end = n if nl < 0 else nl
+        fence_at = _line_start_fence(text, pos)
+        info = text[fence_at + len(FENCE):line_end] if fence_at is not None else ""
+        if fence_at is None or "`" in info:
+            pos = n if nl < 0 else nl + 1
+            continue
+        # An opening fence at fence_at.
+        prose.append(text[prose_from:line_end])
+        lang = info.strip().lower()
+        if nl < 0:  # the opening line is not finished yet: a block with no body so far
+            blocks.append(CodeBlock(lang=lang, code="", start=fence_at, end=None))
+            prose_from = n
+            pos = n
+            break
+        body_start = nl + 1
+        # Find the closing fence: the first later line that starts with <= 3 spaces + ```.
+        q = body_start
+        close_at = None
+        while q <= n:
+            c = _line_start_fence(text, q)
+            if c is not None:
+                close_at = c
+                break
+            nq = text.find("\n", q)
+            if nq < 0:
+                break
+            q = nq + 1
+        if close_at is None:
+            blocks.append(CodeBlock(lang=lang, code=text[body_start:], start=fence_at, end=None))
+            prose_from = n
+            pos = n
+            break
+        code = text[body_start:q]
+        if code.endswith("\n"):
+            code = code[:-1]
+        end = close_at + len(FENCE)
+        blocks.append(CodeBlock(lang=lang, code=code, start=fence_at, end=end))
+        # The rest of the closing line is not code; prose resumes at the closing fence.
+        prose_from = close_at
+        nl2 = text.find("\n", end)
+        pos = n if nl2 < 0 else nl2 + 1
+    prose.append(text[prose_from:])
+    return Markup(blocks=tuple(blocks), prose="".join(prose))
+
+
+def extract_code(text: str) -> str | None:
+    """The code of the first complete executable block in ``text`` (None if there is none)."""
+    block = parse(text).first_executable
+    return None if block is None else block.code
+
+
+def stop_strings(turn_text: str) -> tuple[str, ...]:
+    """The stop strings for the next engine request, given the turn's text so far.
+
+    Every event that can end the turn (a closing fence) must contain one of the returned
+    strings *within the next request's own text*, since engines match stops there only.
+    """
+    line = turn_text[turn_text.rfind("\n") + 1:]
+    stripped = line.lstrip(" ")
+    if len(line) - len(stripped) <= MAX_FENCE_INDENT and len(stripped) < len(FENCE) and FENCE.startswith(stripped):
+        # At a possible fence position (a line start, maybe a partial fence already
+        # written): the rest of the fence, matched anywhere.
+        return (FENCE[len(stripped):],)
+    if parse(turn_text).open_block is None:
+        return STOPS_ANY_FENCE  # prose: pause on every fence; opening ones start a line
+    return STOPS_CLOSING_FENCE  # inside a block, mid-line: a fence must start a line
+
+
+# ---------------------------------------------------------------------------- answers
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def find_boxed(text: str) -> list[str]:
+    """Contents of every complete ``\\boxed{...}`` in ``text`` (balanced braces), in order.
+
+    ``\\{`` and ``\\}`` (escaped braces, as in ``\\boxed{\\{1,2\\}}``) do not count as
+    nesting. An unbalanced ``\\boxed{`` (cut by the length limit) is ignored.
+    """
+    out: list[str] = []
+    pos = 0
+    while (m := _BOXED.search(text, pos)) is not None:
+        depth = 1
+        i = m.end()
+        while i < len(text) and depth:
+            ch = text[i]
+            if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+                i += 2
+                continue
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+            i += 1
+        if depth:
+            break  # unbalanced to the end of the text: nothing complete after it either
+        out.append(text[m.end():i - 1].strip())
+        pos = i
+    return out
+
+
+def last_boxed(text: str) -> str | None:
+    found = find_boxed(text)
+    return found[-1] if found else None
+
+
+def answer_in_model_text(text: str) -> str | None:
+    """The final answer a model turn states: the last ``\\boxed{}`` outside code blocks."""
+    return last_boxed(parse(text).prose)
+
+
+# ----------------------------------------------------------------- turn classification
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TurnClass:
+    kind: TurnKind
+    reason: str
+    code: str | None = None  # for "code": the code to execute
+    lang: str | None = None
+    answer: str | None = None  # the last \boxed{} in the turn's prose, whatever the kind
+    code_end: int | None = None  # for "code": offset just past the closing fence
+
+    @property
+    def void(self) -> bool:
+        return self.kind is TurnKind.VOID
+
+
+def classify_turn(text: str, finish_reason: str | None = None) -> TurnClass:
+    """Classify one model turn (its text only, no prompt or feedback).
+
+    ``finish_reason`` is how generation of the turn ended (``"stop"``, ``"eos"``,
+    ``"length"``, ``"abort"``, or a :class:`~megatron_tir.rollout.engines.base.FinishReason`);
+    it only refines the reason text, never the kind, except that an aborted turn with no
+    code or answer is void with reason "aborted by the engine".
+    """
+    fr = getattr(finish_reason, "value", finish_reason)
+    if fr not in (None, "stop", "eos", "length", "abort"):
+        raise ValueError(f"unknown finish_reason {finish_reason!r} (stop, eos, length, abort)")
+    m = parse(text)
+    answer = last_boxed(m.prose)
+    block = m.first_executable
+    if block is not None:
+        reason = "complete python code block" if block.lang else "complete code block (no language tag)"
+        if not block.code.strip():
+            reason = "complete but empty code block"
+        return TurnClass(kind=TurnKind.CODE, reason=reason, code=block.code, lang=block.lang,
+                         answer=answer, code_end=block.end)
+    open_block = m.open_block
+    tail = {"length": "length cut", "eos": "EOS", "stop": "stop", "abort": "engine abort", None: "end of text"}[fr]
+    if answer is not None:
+        reason = "boxed final answer"
+        if open_block is not None:
+            reason += f" (then an unclosed code block, {tail})"
+        elif fr == "length":
+            reason += " (then cut by the length limit)"
+        return TurnClass(kind=TurnKind.ANSWER, reason=reason, answer=answer)
+    if fr == "abort":
+        return TurnClass(kind=TurnKind.VOID, reason="aborted by the engine")
+    if open_block is not None:
+        what = "code block" if open_block.executable else f"'{open_block.lang}' block"
+        if fr == "length":
+            reason = f"length cut inside a {what} (partial code)"
+        elif fr == "eos":
+            reason = f"EOS inside an unclosed {what} (partial code)"
+        else:
+            reason = f"unclosed {what} (partial code)"
+        return TurnClass(kind=TurnKind.VOID, reason=reason)
+    others = [b.lang for b in m.blocks if b.closed and not b.executable]
+    extra = f" (only non-python blocks: {', '.join(repr(o) for o in others)})" if others else ""
+    if fr == "length":
+        return TurnClass(kind=TurnKind.VOID, reason=f"length cut without code or answer{extra}")
+    if fr == "eos":
+        return TurnClass(kind=TurnKind.VOID, reason=f"EOS without code or answer{extra}")
+    return TurnClass(kind=TurnKind.VOID, reason=f"no complete code block and no final answer{extra}")
