@@ -1,0 +1,181 @@
+"""HF <-> Megatron conversion, tensor by tensor.
+
+HF -> Megatron: the HF config gives a ``ModelSpec``; a GPTModel built on the meta device
+(TP=1, PP=1: global shapes, no memory) gives the sharded-state-dict templates, i.e. the
+exact keys, layer stacking and SwiGLU split megatron-core uses; each template is filled
+with its tensor converted from the HF tensors (read one at a time) and the lot is saved
+with ``dist_checkpointing.save`` into a temp dir renamed at the end. Peak memory: the
+model's tensors once (the saved state dict), plus one tensor in flight.
+
+Megatron -> HF: the same templates say where each tensor lives (sharded key, layer
+offset, SwiGLU halves); each is read alone from the torch_dist files (``dist_reader``)
+and written straight into a streaming safetensors writer. Peak memory: one tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from checkpoints_tools import keymap
+from checkpoints_tools.dist_reader import RegionReader
+from checkpoints_tools.hf_io import HFReader, StreamingSafetensorsWriter, TensorEntry
+from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, atomic_output_dir,
+                                      copy_hf_files, read_meta, resolve_checkpoint, write_meta)
+from megatron_tir.models import resolve_model
+from megatron_tir.policy.spec import FAMILIES, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of an HF dir as a normalized dict; ValueError for unknown architectures."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if raw.get("model_type") not in FAMILIES:
+        raise ValueError(f"unsupported architecture: model_type={raw.get('model_type')!r} "
+                         f"architectures={raw.get('architectures')} (supported: llama, qwen2)")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(hf_dir).to_dict()
+
+
+def spec_from_hf_dir(hf_dir: Path) -> tuple[ModelSpec, dict]:
+    config = read_hf_config(hf_dir)
+    return ModelSpec.from_hf(config), config
+
+
+def _model_templates(spec: ModelSpec) -> dict:
+    """``{GPTModel key: ShardedTensor | ShardedTensorFactory}`` for the whole model (meta tensors)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_tir.policy.build import build_gpt_model, init_parallel
+
+    init_parallel(1, 1)
+    model = build_gpt_model(spec, meta=True, pre_process=True, post_process=True)
+    sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
+    out = {k.removeprefix(MODEL_PREFIX): v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
+    expected = {p.megatron for p in keymap.plan(spec)}
+    if set(out) != expected:  # the key map and megatron-core disagree: a bug or a megatron-core change
+        raise AssertionError(f"key map mismatch: missing {sorted(expected - set(out))[:3]}, "
+                             f"unmapped {sorted(set(out) - expected)[:3]}")
+    return sharded
+
+
+def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.TensorPlan]) -> torch.dtype:
+    """Every expected HF tensor is there with the shape the config implies; returns their dtype."""
+    from safetensors import safe_open
+
+    wanted = {name: shape for p in plans for name, shape in zip(p.hf, p.hf_shapes)}
+    ignorable = {"lm_head.weight"} if spec.tie_word_embeddings else set()
+    unexpected = sorted(n for n in reader.names() if n not in wanted and n not in ignorable
+                        and not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"tensor {unexpected[0]!r} is not part of a {spec.family} model with this config "
+                         f"({len(unexpected)} unexpected tensors): checkpoint and config.json disagree")
+    dtypes = set()
+    for name, shape in wanted.items():
+        if name not in reader:
+            raise ValueError(f"tensor {name!r} is missing from {reader.dir} (config.json expects it)")
+        with safe_open(reader.files[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            got = tuple(sl.get_shape())
+            dtypes.add(sl.get_dtype())
+        if got != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}: "
+                             f"checkpoint and config disagree")
+    if len(dtypes) != 1:
+        raise ValueError(f"mixed tensor dtypes in {reader.dir}: {sorted(dtypes)}")
+    st_dtype = dtypes.pop()
+    table = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    if st_dtype not in table:
+        raise ValueError(f"tensor dtype {st_dtype} is not supported (F32, BF16, F16)")
+    return table[st_dtype]
+
+
+def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
+    """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
+    from megatron.core import dist_checkpointing
+
+    hf_dir = resolve_model(hf)
+    spec, config = spec_from_hf_dir(hf_dir)
+    spec.check_layout(tp, pp)
+    reader = HFReader(hf_dir)
+    plans = keymap.plan(spec)
+    dtype = _check_hf_tensors(reader, spec, plans)
+    spec = dataclasses.replace(spec, dtype=str(dtype).removeprefix("torch."))
+    with atomic_output_dir(out) as tmp:
+        sharded = _model_templates(spec)
+        for p in plans:
+            tensor = keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec)
+            template = sharded[MODEL_PREFIX + p.megatron]
+            assert tuple(template.data.shape) == tuple(tensor.shape), (p.megatron, template.data.shape, tensor.shape)
+            template.data = tensor
+        log.info("saving %d tensors to %s", len(plans), out)
+        dist_checkpointing.save(sharded, str(tmp))
+        del sharded
+        copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
+        write_meta(tmp, CheckpointMeta(model_spec=spec.to_dict(), hf_config=config, tp=tp, pp=pp,
+                                       source=str(hf_dir)))
+    log.info("wrote Megatron checkpoint %s (%s, tp=%d pp=%d)", out, spec.family, tp, pp)
+    return Path(out)
+
+
+def read_megatron_tensor(reader: RegionReader, template, dtype: torch.dtype) -> torch.Tensor:
+    """The full (TP=1) tensor behind one sharded-state-dict template, read from the checkpoint."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    leaves = template.build() if isinstance(template, ShardedTensorFactory) else [template]
+    parts = []
+    for leaf in leaves:
+        sizes = (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
+        parts.append(reader.read(leaf.key, tuple(leaf.global_offset), sizes, dtype).view(leaf.local_shape))
+    return template.merge_fn(parts) if isinstance(template, ShardedTensorFactory) else parts[0]
+
+
+def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
+    config = dict(meta.hf_config)
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "gguf":
+        config.pop("quantization_config")  # the weights we write are plain tensors
+    config["dtype"] = spec.dtype
+    config["tie_word_embeddings"] = spec.tie_word_embeddings
+    return config
+
+
+def megatron_to_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Convert a dist checkpoint (or a run dir's latest) into an HF directory at ``out``."""
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    spec = meta.spec
+    plans = keymap.plan(spec)
+    entries = [TensorEntry(name=n, shape=tuple(s), dtype=spec.torch_dtype)
+               for p in plans for n, s in zip(p.hf, p.hf_shapes)]
+    with atomic_output_dir(out) as tmp:
+        sharded = _model_templates(spec)
+        reader = RegionReader(ckpt)
+        with StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
+            for p in plans:
+                template = sharded[MODEL_PREFIX + p.megatron]
+                try:
+                    tensor = read_megatron_tensor(reader, template, spec.torch_dtype)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint {ckpt} does not match its metadata ({spec.family}, "
+                                     f"hidden {spec.hidden_size}, {spec.num_layers} layers): {e}") from None
+                for name, t in zip(p.hf, keymap.to_hf(p, tensor, spec)):
+                    writer.write(name, t)
+        hf_files = ckpt / HF_FILES_DIR
+        if hf_files.is_dir():
+            copy_hf_files(hf_files, tmp)
+        (tmp / "config.json").write_text(json.dumps(export_hf_config(meta, spec), indent=2, sort_keys=True))
+    log.info("wrote HF model %s from %s", out, ckpt)
+    return Path(out)

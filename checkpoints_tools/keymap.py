@@ -1,0 +1,176 @@
+"""HF <-> Megatron key maps, one explicit table per family, and their tensor transforms.
+
+Megatron names are megatron-core GPTModel state-dict names (local layer spec) with the
+global layer index ``{i}``; the distributed checkpoint stores them under the sharded
+keys megatron-core derives from them (layers stacked on a leading axis, TE-style
+names such as ``decoder.layers.self_attention.linear_qkv.layer_norm_weight``), so a
+checkpoint written here loads into the TE spec and the local spec, at any TP/PP.
+
+Transforms (all are pure re-arrangements: the round trip is bit-exact):
+
+* ``identity``: same tensor.
+* ``qkv``: HF q ``[nh*d, ...]``, k ``[ng*d, ...]``, v ``[ng*d, ...]`` -> Megatron's fused
+  ``linear_qkv`` interleaved by query group: for each of the ``ng`` groups, its
+  ``nh/ng`` query heads, then its key head, then its value head (``[ng*(nh/ng+2)*d, ...]``).
+  Tensor parallelism splits this tensor by whole groups, which is why TP must divide
+  the number of key/value heads. Applies to the weight and (Qwen2) the bias.
+* ``gate_up``: HF gate ``[f, h]`` and up ``[f, h]`` -> ``linear_fc1`` ``[2f, h]`` = cat(gate, up).
+  (megatron-core shards the two halves separately, so the layout on disk is TP-agnostic.)
+
+Rotary embeddings need no permutation: HF Llama/Qwen2 store q/k for the non-interleaved
+``rotate_half`` convention, which is megatron-core's ``rotary_interleaved=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tir.policy.spec import ModelSpec
+
+TRANSFORMS = ("identity", "qkv", "gate_up")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class KeyRule:
+    """One row of a key map: HF tensor name(s) <-> one Megatron tensor, via ``transform``."""
+
+    hf: tuple[str, ...]
+    megatron: str
+    transform: str = "identity"
+    per_layer: bool = False
+    untied_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {self.transform!r}")
+        if (len(self.hf) == 1) != (self.transform == "identity"):
+            raise ValueError(f"transform {self.transform!r} does not fit {len(self.hf)} HF tensors")
+        if self.per_layer != ("{i}" in self.megatron):
+            raise ValueError(f"per_layer rule must use {{i}} in names: {self.megatron}")
+
+
+def _layer(hf: tuple[str, ...], megatron: str, transform: str = "identity") -> KeyRule:
+    return KeyRule(hf=tuple(f"model.layers.{{i}}.{h}" for h in hf), megatron=f"decoder.layers.{{i}}.{megatron}",
+                   transform=transform, per_layer=True)
+
+
+_LLAMA_RULES: tuple[KeyRule, ...] = (
+    KeyRule(hf=("model.embed_tokens.weight",), megatron="embedding.word_embeddings.weight"),
+    _layer(("input_layernorm.weight",), "input_layernorm.weight"),
+    _layer(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+           "self_attention.linear_qkv.weight", "qkv"),
+    _layer(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight"),
+    _layer(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight"),
+    _layer(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "gate_up"),
+    _layer(("mlp.down_proj.weight",), "mlp.linear_fc2.weight"),
+    KeyRule(hf=("model.norm.weight",), megatron="decoder.final_layernorm.weight"),
+    KeyRule(hf=("lm_head.weight",), megatron="output_layer.weight", untied_only=True),
+)
+
+_QWEN2_RULES: tuple[KeyRule, ...] = (
+    *_LLAMA_RULES[:3],
+    _layer(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+           "self_attention.linear_qkv.bias", "qkv"),
+    *_LLAMA_RULES[3:],
+)
+
+KEY_MAPS: dict[str, tuple[KeyRule, ...]] = {"llama": _LLAMA_RULES, "qwen2": _QWEN2_RULES}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TensorPlan:
+    """One concrete Megatron tensor and the HF tensors it is made of, with expected shapes."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: str
+    hf_shapes: tuple[tuple[int, ...], ...]
+    megatron_shape: tuple[int, ...]
+
+
+def _hf_shapes(rule: KeyRule, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
+    h, d, f, v = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.vocab_size
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    leaf = rule.megatron.rsplit(".", 2)[-2:]
+    match ".".join(leaf):
+        case "word_embeddings.weight" | "output_layer.weight":
+            return ((v, h),)
+        case "linear_qkv.weight":
+            return ((q, h), (kv, h), (kv, h))
+        case "linear_qkv.bias":
+            return ((q,), (kv,), (kv,))
+        case "linear_proj.weight":
+            return ((h, q),)
+        case "linear_fc1.weight":
+            return ((f, h), (f, h))
+        case "linear_fc2.weight":
+            return ((h, f),)
+        case _:  # norms
+            return ((h,),)
+
+
+def plan(spec: ModelSpec) -> list[TensorPlan]:
+    """Every Megatron tensor of ``spec`` in checkpoint order (embedding, layers 0..L-1, head)."""
+    out: list[TensorPlan] = []
+    rules = KEY_MAPS[spec.family]
+    for rule in rules:
+        if rule.untied_only and spec.tie_word_embeddings:
+            continue
+        layers = range(spec.num_layers) if rule.per_layer else [None]
+        for i in layers:
+            fmt = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
+            shapes = _hf_shapes(rule, spec)
+            mshape = (sum(s[0] for s in shapes), *shapes[0][1:])
+            out.append(TensorPlan(megatron=fmt(rule.megatron), hf=tuple(fmt(n) for n in rule.hf),
+                                  transform=rule.transform, hf_shapes=shapes, megatron_shape=mshape))
+    # order by layer so that conversion streams one layer at a time
+    return sorted(out, key=_order_key)
+
+
+def _order_key(p: TensorPlan):
+    if p.megatron.startswith("embedding."):
+        return (0, 0)
+    if p.megatron.startswith("decoder.layers."):
+        return (1, int(p.megatron.split(".")[2]))
+    return (2, 0)
+
+
+def to_megatron(p: TensorPlan, tensors: list[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    """HF tensors (in ``p.hf`` order) -> the Megatron tensor."""
+    if p.transform == "identity":
+        return tensors[0]
+    if p.transform == "gate_up":
+        return torch.cat(tensors, dim=0)
+    q, k, v = tensors
+    ng, d, hpg = spec.num_query_groups, spec.head_dim, spec.heads_per_group
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], dim=1)
+    return fused.reshape(ng * (hpg + 2) * d, *rest)
+
+
+def to_hf(p: TensorPlan, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    """The Megatron tensor -> HF tensors (in ``p.hf`` order), each contiguous."""
+    if p.transform == "identity":
+        return [tensor.contiguous()]
+    if p.transform == "gate_up":
+        return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+    ng, d, hpg = spec.num_query_groups, spec.head_dim, spec.heads_per_group
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(ng, (hpg + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
+    return [q.reshape(ng * hpg * d, *rest).contiguous(), k.reshape(ng * d, *rest).contiguous(),
+            v.reshape(ng * d, *rest).contiguous()]
+
+
+def table(family: str) -> str:
+    """The key map of ``family`` as a markdown table."""
+    if family not in KEY_MAPS:
+        raise ValueError(f"unknown family {family!r} (known: {sorted(KEY_MAPS)})")
+    rows = ["| HF tensor(s) | Megatron (GPTModel state dict) | transform |", "| --- | --- | --- |"]
+    for r in KEY_MAPS[family]:
+        hf = "<br>".join(f"`{n}`" for n in r.hf)
+        note = " (untied only)" if r.untied_only else ""
+        rows.append(f"| {hf} | `{r.megatron}`{note} | {r.transform} |")
+    return "\n".join(rows)

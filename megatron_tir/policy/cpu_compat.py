@@ -1,0 +1,211 @@
+"""The one place where megatron-core is redirected to run without a GPU.
+
+megatron-core assumes CUDA in a few spots that a CPU forward/backward on gloo reaches.
+``apply()`` redirects exactly those, and only when ``torch.cuda.is_available()`` is
+False (on a GPU it does nothing). Each redirection is listed in ``PATCHES``; the test
+``tests/megatron_tir/policy/test_cpu_compat.py`` asserts every target still exists in
+the installed megatron-core (and still contains the CUDA call it works around), so an
+upgrade that moves one fails loudly instead of silently running the CUDA path.
+
+What is redirected (and why):
+
+* ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` inside the modules in
+  ``_CUDA_DEVICE_MODULES``: buffers for TP gathers (``tensor_parallel.mappings``,
+  ``tensor_parallel.layers``), rotary ``inv_freq`` placement, and pipeline p2p shape
+  exchange allocate on "the current CUDA device"; dist_checkpointing's writer
+  synchronizes CUDA after staging tensors to host memory and reduces its
+  failure flags on the current CUDA device. Those modules see a ``torch`` proxy
+  whose ``cuda.current_device()`` is ``"cpu"`` and whose ``cuda.synchronize()`` is a
+  no-op; every other attribute is the real ``torch``.
+* ``get_default_causal_mask`` (``device="cuda"`` hard-coded): CPU version, cached per
+  length like the original.
+* The CUDA RNG tracker (dropout / weight init under ``fork()``): a tracker with the same
+  interface over the CPU generator.
+* ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding to CUDA
+  (``weight.data.cuda()``) before its all-reduce when PP > 1: wrapped so that, during
+  that call only, ``Tensor.cuda()`` leaves CPU tensors where they are.
+
+What works with these (measured on 2 CPU cores, gloo): GPTModel forward and backward
+with the local layer spec at TP=1/2 and with PP=2 when the pipeline stages exchange
+activations with ``torch.distributed`` send/recv (see
+``megatron_tir.policy.forward``); ``dist_checkpointing`` save/load at any TP/PP.
+What is NOT covered yet (the trainer's issue may extend this list): the pipeline
+schedules (``device="cuda"`` token counters), Megatron DDP (``current_stream``), the
+distributed optimizer (``Tensor.type()`` names), ``clip_grads`` and
+``sequence_parallel`` (needs Transformer Engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_applied = False
+
+# Modules whose module-level ``torch`` is replaced by the CPU proxy.
+_CUDA_DEVICE_MODULES = (
+    ("megatron.core.tensor_parallel.mappings", "torch.cuda.current_device()"),
+    ("megatron.core.tensor_parallel.layers", "torch.cuda.current_device()"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "torch.cuda.current_device()"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "torch.cuda.current_device()"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "torch.cuda.synchronize()"),
+    ("megatron.core.dist_checkpointing.strategies.state_dict_saver", "torch.cuda.current_device()"),
+)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Patch:
+    """One redirection: ``module.attribute`` is replaced; ``marker`` is the CUDA call it avoids."""
+
+    module: str
+    attribute: str
+    marker: str
+    why: str
+
+
+PATCHES: tuple[Patch, ...] = (
+    *(Patch(module=m, attribute="torch", marker=marker,
+            why="current CUDA device / synchronize -> CPU / no-op") for m, marker in _CUDA_DEVICE_MODULES),
+    Patch(module="megatron.core.fusions.fused_softmax", attribute="get_default_causal_mask",
+          marker='device="cuda"', why="causal mask built on CUDA"),
+    Patch(module="megatron.core.transformer.utils", attribute="get_default_causal_mask",
+          marker='device="cuda"', why="causal mask built on CUDA"),
+    Patch(module="megatron.core.tensor_parallel.random", attribute="CudaRNGStatesTracker",
+          marker="torch.cuda.get_rng_state()", why="CUDA RNG tracker -> CPU generator"),
+    Patch(module="megatron.core.models.common.language_module.language_module",
+          attribute="LanguageModule.setup_embeddings_and_output_layer",
+          marker="weight.data.cuda()", why="tied embedding moved to CUDA before its PP all-reduce"),
+)
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as seen by patched modules: the current device is the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda[cpu-compat]")
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` with ``cuda`` replaced by ``_CpuCuda``; everything else is the real module."""
+
+    def __init__(self) -> None:
+        super().__init__("torch[cpu-compat]")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _make_cpu_rng_tracker(base: type) -> type:
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Megatron's RNG tracker interface over the CPU default generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def _keep_on_cpu(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # only for the duration of this call
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
+def resolve(patch: Patch):
+    """(owner object, attribute name, current value) of a patch target; AttributeError if it moved."""
+    owner = importlib.import_module(patch.module)
+    *path, name = patch.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+def _replacement(patch: Patch, current):
+    if patch.attribute == "torch":
+        return _CpuTorch()
+    if patch.attribute == "get_default_causal_mask":
+        return _cpu_causal_mask
+    if patch.attribute == "CudaRNGStatesTracker":
+        return _make_cpu_rng_tracker(current)
+    if patch.attribute.endswith("setup_embeddings_and_output_layer"):
+        return _keep_on_cpu(current)
+    raise AssertionError(patch)
+
+
+def apply(force: bool = False) -> bool:
+    """Redirect megatron-core's CUDA-only spots to the CPU; no-op when a GPU is present.
+
+    Returns True when the patches are (now) applied. Idempotent.
+    """
+    global _applied
+    if _applied:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    for patch in PATCHES:
+        owner, name, current = resolve(patch)  # AttributeError = the target moved
+        setattr(owner, name, _replacement(patch, current))
+    # A tracker created before apply() would still be the CUDA one.
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._CUDA_RNG_STATE_TRACKER = None
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    _applied = True
+    log.debug("megatron-core CPU redirections applied: %d patches", len(PATCHES))
+    return True
+
+
+def is_applied() -> bool:
+    return _applied
