@@ -90,6 +90,7 @@ class _Worker:
     last_seen: float
     protections: list[P.Protection]
     in_flight: set[str] = field(default_factory=set)
+    last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
 
 class Broker:
@@ -113,6 +114,7 @@ class Broker:
         self.served = self.retried = self.rejected = 0
         self._prefix = uuid.uuid4().hex[:8]
         self._seq = 0
+        self._dispatches = 0
         self._stop = False
 
     # ---- lifecycle
@@ -274,7 +276,7 @@ class Broker:
 
     def _dispatch(self) -> None:
         while self.queue:
-            worker = max(self.workers.values(), key=lambda w: w.free, default=None)
+            worker = max(self.workers.values(), key=lambda w: (w.free, -w.last_dispatch), default=None)
             if worker is None or worker.free <= 0:
                 return
             task = self.queue.popleft()
@@ -282,6 +284,8 @@ class Broker:
             task.worker = worker.identity
             worker.free -= 1
             worker.in_flight.add(task.key)
+            self._dispatches += 1
+            worker.last_dispatch = self._dispatches
             self.backend.send_multipart([worker.identity, P.KIND_EXEC, task.payload])
 
     def _tick(self) -> None:

@@ -1,0 +1,255 @@
+"""One hostile property per test: the specific status, and the very next request is answered ``ok``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+from sandbox_helpers import SECRET_NAME, SECRET_VALUE, assert_next_ok, cell_processes
+
+from sandbox_cluster import Status
+
+
+def test_fork_bomb_is_contained_and_cleaned_up(client):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    res = client.run(code, timeout=3)
+    assert res.status is Status.TIMEOUT, res
+    assert res.wall_time == pytest.approx(3, abs=0.5)
+    assert_next_ok(client)
+
+
+def test_fork_limit_is_enforced(client):
+    code = (
+        "import os, time\nkids = 0\n"
+        "try:\n    for _ in range(500):\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)\n"
+        "        kids += 1\nexcept OSError as exc:\n    print('refused after', kids, type(exc).__name__)\n"
+    )
+    res = client.run(code, timeout=10)
+    assert res.status is Status.OK, res
+    refused_after = int(res.stdout.split()[2])
+    assert refused_after < 64  # SandboxLimits.max_processes
+    assert res.wall_time < 5  # the sleeping children did not keep the request open
+    assert_next_ok(client)
+
+
+def test_busy_loop_times_out(client):
+    res = client.run("while True:\n    pass\n", timeout=1.5)
+    assert res.status is Status.TIMEOUT
+    assert res.wall_time == pytest.approx(1.5, abs=0.4)
+    assert res.cpu_time > 0.5
+    assert_next_ok(client)
+
+
+def test_sleep_past_timeout(client):
+    res = client.run("import time\nprint('before', flush=True)\ntime.sleep(60)\nprint('after')", timeout=1)
+    assert res.status is Status.TIMEOUT
+    assert res.stdout == "before\n"  # output produced before the kill is kept
+    assert res.cpu_time < 0.5
+    assert_next_ok(client)
+
+
+def test_huge_allocation_is_a_memory_error(client):
+    res = client.run("x = bytearray(4 << 30)\nprint('allocated')", timeout=10, memory_mb=256)
+    assert res.status is Status.MEMORY, res
+    assert "MemoryError" in res.stderr
+    assert "allocated" not in res.stdout
+    assert_next_ok(client)
+
+
+def test_gradual_memory_growth_hits_the_limit(client):
+    code = "import numpy as np\nchunks = []\nwhile True:\n    chunks.append(np.ones(1 << 20))  # 8 MiB, touched\n"
+    res = client.run(code, timeout=20, memory_mb=200)
+    assert res.status is Status.MEMORY, res
+    assert_next_ok(client)
+
+
+def test_huge_output_is_killed_and_truncated(client):
+    res = client.run("while True:\n    print('spam' * 256)\n", timeout=20)
+    assert res.status is Status.OUTPUT_LIMIT, res
+    assert res.stdout_truncated
+    assert res.stdout.startswith("spam" * 256 + "\n")
+    assert "bytes truncated" in res.stdout
+    assert len(res.stdout) < 64 << 10
+    assert_next_ok(client)
+
+
+def test_large_output_under_the_cap_keeps_head_and_tail(client):
+    code = "for i in range(100_000):\n    print(f'line {i}')\n"
+    res = client.run(code, timeout=20)
+    assert res.status is Status.OK
+    assert res.stdout_truncated and not res.stderr_truncated
+    assert res.stdout.startswith("line 0\nline 1\n")
+    assert res.stdout.endswith("line 99998\nline 99999\n")
+    assert "bytes truncated" in res.stdout
+    assert_next_ok(client)
+
+
+def test_disk_fill_hits_the_tmpfs_and_is_wiped(client):
+    code = (
+        "import os\nprint(os.getcwd())\n"
+        "with open('fill', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n        f.flush()\n"
+    )
+    res = client.run(code, timeout=20)
+    assert res.status is Status.ERROR, res
+    assert res.stdout == "/tmp\n"
+    assert "No space left on device" in res.stderr or "File too large" in res.stderr
+    assert_next_ok(client)
+    after = client.run("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/dev/shm')))")
+    assert after.stdout == "[] []\n"
+
+
+def test_files_left_behind_are_gone_next_time(client):
+    res = client.run("open('/tmp/leftover', 'w').write('x')\nopen('/dev/shm/leftover', 'w').write('x')")
+    assert res.status is Status.OK
+    checks = [client.run("import os\nprint(os.path.exists('/tmp/leftover'), os.path.exists('/dev/shm/leftover'))")
+              for _ in range(4)]
+    assert {c.stdout for c in checks} == {"False False\n"}
+
+
+def test_cannot_kill_parent_broker_or_workers(client, cluster):
+    targets = {"zygote": "os.getppid()", "broker": str(cluster.broker_pid),
+               **{f"worker{i}": str(pid) for i, pid in enumerate(cluster.worker_pids)}}
+    code = "import os, signal\n" + "".join(
+        f"try:\n    os.kill({pid}, signal.SIGKILL)\n    print('{name}: killed')\n"
+        f"except PermissionError:\n    print('{name}: denied')\n"
+        for name, pid in targets.items()
+    ) + "os.kill(-1, signal.SIGKILL)\nprint('kill -1 done')\n"
+    res = client.run(code, timeout=10)
+    assert res.status is Status.OK, res
+    assert res.stdout.splitlines() == [f"{name}: denied" for name in targets] + ["kill -1 done"]
+    time.sleep(0.2)
+    assert psutil.pid_exists(cluster.broker_pid)
+    assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in cluster.worker_pids)
+    assert len(cluster.worker_pids) == 2 and cluster.restarts == 0
+    assert_next_ok(client)
+
+
+def test_worker_secret_is_not_visible(client, cluster):
+    code = (
+        "import os\n"
+        f"print('environ', {SECRET_NAME!r} in os.environ)\n"
+        "hits = []\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if pid.isdigit():\n"
+        "        try:\n"
+        "            data = open(f'/proc/{pid}/environ', 'rb').read()\n"
+        "        except OSError:\n"
+        "            continue\n"
+        f"        if {SECRET_VALUE.encode()!r} in data:\n"
+        "            hits.append(pid)\n"
+        "print('proc', hits)\n"
+    )
+    res = client.run(code, timeout=20)
+    assert res.status is Status.OK, res
+    assert res.stdout == "environ False\nproc []\n"
+    # The secret really is in the workers' environment: the cell just cannot see it.
+    assert psutil.Process(cluster.worker_pids[0]).environ()[SECRET_NAME] == SECRET_VALUE
+    assert_next_ok(client)
+
+
+@pytest.mark.parametrize("family", ["AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK", "AF_PACKET"])
+def test_no_sockets(client, family):
+    code = (
+        "import socket\n"
+        f"try:\n    socket.socket(socket.{family}, socket.SOCK_DGRAM if '{family}' == 'AF_NETLINK' else "
+        "socket.SOCK_STREAM)\n    print('created')\nexcept PermissionError:\n    print('denied')\n"
+    )
+    res = client.run(code)
+    assert res.status is Status.OK, res
+    assert res.stdout == "denied\n"
+    assert_next_ok(client)
+
+
+def test_unix_socket_to_the_broker_is_refused(client, cluster):
+    path = cluster.address.removeprefix("ipc://")
+    assert os.path.exists(path)
+    code = (
+        "import socket\n"
+        "try:\n    s = socket.socket(socket.AF_UNIX)\n"
+        f"    s.connect({path!r})\n    print('connected')\nexcept OSError as exc:\n    print(type(exc).__name__)\n"
+    )
+    res = client.run(code)
+    assert res.stdout == "PermissionError\n", res
+    assert_next_ok(client)
+
+
+def test_network_namespace_has_only_a_down_loopback(client):
+    res = client.run("print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))")
+    assert res.stdout == "['lo']\n", res
+    host = sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:])
+    assert host != ["lo"]  # the host itself has more than loopback, so this checks the namespace
+    assert_next_ok(client)
+
+
+def test_setsid_orphan_dies_with_the_request(client):
+    code = (
+        "import subprocess\n"
+        "p = subprocess.Popen(['setsid', 'sleep', '300'])\n"
+        "import time; time.sleep(0.2)\n"
+        "print(p.pid)\n"
+    )
+    res = client.run(code, timeout=10)
+    assert res.status is Status.OK, res
+    pid = int(res.stdout)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert_next_ok(client)
+
+
+def test_double_fork_daemon_holding_stdout_is_killed(client):
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        while True:\n            print('daemon', flush=True)\n            time.sleep(0.01)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.1)\nprint('main done', flush=True)\n"
+    )
+    res = client.run(code, timeout=10)
+    assert res.status is Status.OK, res
+    assert res.wall_time < 2  # the daemon kept stdout open, but the request ended with the cell
+    assert "main done" in res.stdout
+    assert_next_ok(client)
+
+
+def test_no_inherited_fds(client):
+    code = (
+        "import os\nopen_fds = []\n"
+        "for fd in range(1024):\n    try:\n        os.fstat(fd)\n        open_fds.append(fd)\n"
+        "    except OSError:\n        pass\nprint(open_fds)\n"
+    )
+    res = client.run(code)
+    assert res.stdout == "[0, 1, 2]\n", res
+    assert_next_ok(client)
+
+
+def test_runs_unprivileged(client):
+    code = (
+        "import os\nprint(os.getuid() != 0, os.getgid() != 0, os.getgroups())\n"
+        "try:\n    os.setuid(0)\n    print('became root')\nexcept PermissionError:\n    print('setuid denied')\n"
+    )
+    res = client.run(code)
+    assert res.stdout == "True True []\nsetuid denied\n", res
+    assert_next_ok(client)
+
+
+def test_seccomp_denies_ptrace_unshare_and_mount(client):
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"  # PTRACE_TRACEME
+        "print(libc.unshare(0x10000000), ctypes.get_errno())\n"  # CLONE_NEWUSER
+        "print(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+    )
+    res = client.run(code)
+    assert res.status is Status.OK, res
+    assert res.stdout == "-1 1\n-1 1\n-1 1\n"  # EPERM each
+    assert_next_ok(client)
+
+
+def test_cells_do_not_outlive_a_crash_of_their_own(client):
+    res = client.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert res.status is Status.ERROR
+    assert res.exit_code == -11
+    assert "SIGSEGV" in res.message
+    assert cell_processes() == []
+    assert_next_ok(client)
