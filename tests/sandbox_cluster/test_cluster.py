@@ -1,0 +1,171 @@
+"""The cluster end to end: results, async fan-out, malformed input, deadlines, overload, status."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from sandbox_cluster import ClientConfig, LocalCluster, SandboxClient, Status
+from sandbox_cluster import protocol as P
+
+
+def test_ok_result_fields(client):
+    res = client.run("import sympy, numpy\nx = sympy.Symbol('x')\nprint(sympy.solve(x**2 - 4), numpy.arange(5).sum())")
+    assert res.status is Status.OK and res.ok
+    assert res.stdout == "[-2, 2] 10\n"
+    assert res.stderr == "" and res.exit_code == 0
+    assert 0 < res.wall_time < 5 and 0 < res.cpu_time < 5
+    assert not res.stdout_truncated and not res.stderr_truncated
+
+
+def test_exception_is_an_error_with_the_cell_traceback(client):
+    res = client.run("print('partial')\n1 / 0\n")
+    assert res.status is Status.ERROR and res.exit_code == 1
+    assert res.stdout == "partial\n"
+    assert res.stderr.startswith("Traceback (most recent call last):\n  File \"<cell>\", line 2, in <module>\n    1 / 0")
+    assert res.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "zygote" not in res.stderr  # the sandbox's own frames are not shown
+
+
+def test_syntax_error_and_exit_codes(client):
+    assert client.run("def f(:\n").stderr.rstrip().splitlines()[-1].startswith("SyntaxError")
+    assert client.run("import sys; sys.exit(3)").exit_code == 3
+    assert client.run("import sys; sys.exit(3)").status is Status.ERROR
+    assert client.run("import sys; sys.exit(0)").status is Status.OK
+    res = client.run("raise SystemExit('bye')")
+    assert res.exit_code == 1 and res.stderr == "bye\n"
+
+
+def test_stdin_and_files(client):
+    res = client.run("import sys\nprint(sys.stdin.read().upper(), open('data.bin', 'rb').read())",
+                     stdin="hello", files={"data.bin": b"\x00\x01", "notes.txt": "text"})
+    assert res.stdout == "HELLO b'\\x00\\x01'\n", res
+
+
+def test_many_async_requests_in_flight_on_one_client(client):
+    async def fan_out():
+        return await asyncio.gather(*(client.arun(f"print({i} * {i})", timeout=30) for i in range(200)))
+
+    results = asyncio.run(fan_out())
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(200)]
+    assert len({r.id for r in results}) == 200
+
+
+def test_status_reports_every_protection(cluster, client):
+    status = client.status()
+    assert len(status.workers) == 2
+    for worker in status.workers:
+        names = {p.name for p in worker.protections}
+        assert names == {"subreaper", "clean_environment", "uid_switch", "network_namespace", "private_tmpfs",
+                         "cgroup_memory", "cgroup_pids", "seccomp", "rlimits"}
+        missing = [p for p in worker.protections if not p.active]
+        assert all(p.detail for p in missing)  # a missing protection always says why
+    assert set(status.missing_protections) == {w.name for w in status.workers if any(not p.active for p in w.protections)}
+
+
+# --------------------------------------------------------------------------- malformed messages on the wire
+
+
+@pytest.fixture()
+def raw(cluster):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    yield sock
+    sock.close()
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 10.0) -> P.ExecResult:
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    kind, payload = sock.recv_multipart()
+    assert kind == P.KIND_RESULT
+    return P.decode_result(payload)
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason", "rid"),
+    [
+        ([P.KIND_EXEC, b"\x93garbage\xff"], "malformed request", ""),
+        ([P.KIND_EXEC, msgspec.msgpack.encode({"id": "t1", "code": 42})], "Expected `str`", "t1"),
+        ([P.KIND_EXEC, msgspec.msgpack.encode({"id": "t2", "code": "x", "timeout": "soon"})], "Expected `float`", "t2"),
+        ([P.KIND_EXEC, P.encode(P.ExecRequest(id="t3", code="#" * (2 << 20)))], "limit 1048576", "t3"),
+        ([P.KIND_EXEC, P.encode(P.ExecRequest(id="t4", code="1", memory_mb=1 << 30))], "memory_mb", "t4"),
+        ([P.KIND_EXEC], "bad message", ""),
+        ([b"DROP TABLE", b"x"], "bad message", ""),
+        ([P.KIND_EXEC, b"a", b"b"], "bad message", ""),
+    ],
+)
+def test_malformed_message_gets_an_error_reply_and_the_broker_keeps_serving(raw, frames, reason, rid):
+    raw.send_multipart(frames)
+    res = _reply(raw)
+    assert res.status is Status.ERROR
+    assert res.id == rid
+    assert reason in res.message
+    raw.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id="after", code="print('still here')"))])
+    after = _reply(raw)
+    assert (after.id, after.status, after.stdout) == ("after", Status.OK, "still here\n")
+
+
+# --------------------------------------------------------------------------- deadlines and overload
+
+
+def test_client_deadline_when_nobody_answers(tmp_path):
+    config = ClientConfig(deadline_slack_s=0.3)
+    with SandboxClient(f"ipc://{tmp_path}/nobody.sock", config) as client:
+        start = time.monotonic()
+        res = client.run("print(1)", timeout=0.2)
+        assert res.status is Status.SANDBOX_ERROR and "client deadline" in res.message
+        assert 0.45 < time.monotonic() - start < 2.0
+
+        async def both():
+            return await asyncio.gather(client.arun("print(1)", timeout=0.2), client.arun("print(2)", timeout=1.0))
+
+        start = time.monotonic()
+        fast, slow = asyncio.run(both())
+        assert fast.status is Status.SANDBOX_ERROR and slow.status is Status.SANDBOX_ERROR
+        assert 1.2 < time.monotonic() - start < 3.0  # each call has its own deadline
+
+
+def test_late_reply_to_an_abandoned_call_is_not_mistaken_for_the_next(client):
+    async def occupy_both_slots():
+        return await asyncio.gather(*(client.arun("import time; time.sleep(1.0)", timeout=5) for _ in range(2)))
+
+    blocker = threading.Thread(target=lambda: asyncio.run(occupy_both_slots()))
+    blocker.start()
+    time.sleep(0.2)
+    short = SandboxClient(client.address, ClientConfig(deadline_slack_s=0.05))
+    try:
+        first = short.run("print('abandoned')", timeout=0.3)
+        assert first.status is Status.SANDBOX_ERROR  # still queued when the client deadline passed
+        # The abandoned request still runs; its reply reaches this socket while the next call waits.
+        second = short.run("print('second')", timeout=5)
+        assert (second.status, second.stdout) == (Status.OK, "second\n")
+    finally:
+        short.close()
+        blocker.join()
+
+
+@pytest.mark.slow
+def test_overloaded_when_the_queue_is_full_and_retry_succeeds():
+    with LocalCluster(workers=1, max_queue=1) as cluster:
+        code = "import time; time.sleep(0.5); print('done')"
+        no_retry = SandboxClient(cluster.address, ClientConfig(retry_overloaded=False))
+        retry = SandboxClient(cluster.address)
+        try:
+            async def burst(client):
+                return await asyncio.gather(*(client.arun(code, timeout=10) for _ in range(4)))
+
+            statuses = sorted(r.status.value for r in asyncio.run(burst(no_retry)))
+            # one running, one queued, the other two refused at once
+            assert statuses == ["ok", "ok", "overloaded", "overloaded"]
+            assert cluster.status().rejected == 2
+            results = asyncio.run(burst(retry))
+            assert [r.stdout for r in results] == ["done\n"] * 4
+        finally:
+            no_retry.close()
+            retry.close()

@@ -1,0 +1,231 @@
+"""Workers that fail: retried once elsewhere or answered sandbox_error; never dropped, never answered twice.
+
+The first tests drive a real broker (in a thread) with scripted workers on real ZeroMQ
+sockets, to make the failure order deterministic; the last ones kill real worker
+processes of a LocalCluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+
+import pytest
+import zmq
+
+from sandbox_cluster import LocalCluster, SandboxClient, Status
+from sandbox_cluster import protocol as P
+from sandbox_cluster.broker import Broker, BrokerConfig
+
+
+@pytest.fixture()
+def broker(tmp_path):
+    b = Broker(BrokerConfig(bind=f"ipc://{tmp_path}/c.sock", heartbeat_interval_s=0.05, heartbeat_liveness=4))
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    yield b
+    b.stop()
+    thread.join(5)
+
+
+class ScriptedWorker:
+    def __init__(self, endpoint: str, name: str) -> None:
+        self.name = name
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart([P.KIND_READY, P.encode_msg(P.WorkerHello(name=name, slots=1, free=1))])
+
+    def next_request(self, timeout_s: float = 5.0) -> P.ExecRequest:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart()
+                if frames[0] == P.KIND_EXEC:
+                    return P.decode_request(frames[1])
+            self.sock.send_multipart([P.KIND_HEARTBEAT])
+        raise AssertionError(f"{self.name} got no request")
+
+    def result(self, req: P.ExecRequest, stdout: str) -> None:
+        self.sock.send_multipart([P.KIND_RESULT, P.encode(P.ExecResult(id=req.id, status=Status.OK, stdout=stdout))])
+
+    def fail(self, req: P.ExecRequest) -> None:
+        self.sock.send_multipart([P.KIND_FAILED, P.encode_msg(P.SlotFailure(id=req.id, reason="zygote exited"))])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _client(broker: Broker) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.client_endpoint)
+    return sock
+
+
+def _replies(sock: zmq.Socket, wait_s: float) -> list[P.ExecResult]:
+    out, end = [], time.monotonic() + wait_s
+    while time.monotonic() < end:
+        if sock.poll(20):
+            out.append(P.decode_result(sock.recv_multipart()[1]))
+    return out
+
+
+def _first_exec(workers: list[ScriptedWorker], timeout_s: float = 5.0) -> tuple[ScriptedWorker, P.ExecRequest]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in workers:
+            if w.sock.poll(10):
+                frames = w.sock.recv_multipart()
+                if frames[0] == P.KIND_EXEC:
+                    return w, P.decode_request(frames[1])
+            w.sock.send_multipart([P.KIND_HEARTBEAT])
+    raise AssertionError("no worker got the request")
+
+
+def test_failed_twice_is_sandbox_error_exactly_once(broker):
+    a, b = ScriptedWorker(broker.worker_endpoint, "a"), ScriptedWorker(broker.worker_endpoint, "b")
+    client = _client(broker)
+    try:
+        client.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id="r", code="print(1)"))])
+        holder, first = _first_exec([a, b])
+        holder.fail(first)
+        other, second = _first_exec([a, b])
+        assert other is not holder  # the failed slot is not announced again, so the retry goes elsewhere
+        assert second.id == first.id and second.code == "print(1)"
+        other.fail(second)
+        replies = _replies(client, 0.5)
+        assert [(r.id, r.status) for r in replies] == [("r", Status.SANDBOX_ERROR)]
+        assert "failed 2 times" in replies[0].message
+        holder.result(first, "late")  # a late result for an answered request is dropped
+        assert _replies(client, 0.3) == []
+    finally:
+        for s in (a, b):
+            s.close()
+        client.close()
+
+
+def test_silent_worker_request_is_retried_and_its_late_result_dropped(broker):
+    a = ScriptedWorker(broker.worker_endpoint, "a")
+    client = _client(broker)
+    try:
+        client.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id="r", code="print(2)"))])
+        req = a.next_request()
+        b = ScriptedWorker(broker.worker_endpoint, "b")  # joins while a is busy; a is silent from now on
+        retried = b.next_request(timeout_s=2.0)  # a missed 4 heartbeats: declared dead
+        assert retried.id == req.id
+        b.result(retried, "from b\n")
+        a.result(req, "from a (late)\n")  # a comes back: unknown now, told to RESET
+        replies = _replies(client, 0.5)
+        assert [(r.id, r.stdout) for r in replies] == [("r", "from b\n")]
+        kinds = []
+        while a.sock.poll(300):
+            kinds.append(a.sock.recv_multipart()[0])
+        assert P.KIND_RESET in kinds
+        assert broker.status().retried == 1
+        b.close()
+    finally:
+        a.close()
+        client.close()
+
+
+def test_queue_bound_answers_overloaded(tmp_path):
+    b = Broker(BrokerConfig(bind=f"ipc://{tmp_path}/c.sock", max_queue=2))
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    w = ScriptedWorker(b.worker_endpoint, "w")
+    client = _client(b)
+    try:
+        time.sleep(0.1)
+        for i in range(5):
+            client.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id=f"r{i}", code="pass"))])
+        replies = _replies(client, 0.5)
+        # r0 runs, r1 and r2 wait, r3 and r4 are refused at once
+        assert [(r.id, r.status) for r in replies] == [("r3", Status.OVERLOADED), ("r4", Status.OVERLOADED)]
+        first = w.next_request()
+        w.result(first, "")
+        assert [r.status for r in _replies(client, 0.3)] == [Status.OK]
+        assert b.status().queued == 1 and b.status().rejected == 2
+    finally:
+        w.close()
+        client.close()
+        b.stop()
+        thread.join(5)
+
+
+# --------------------------------------------------------------------------- real workers killed
+
+
+@pytest.fixture(scope="module")
+def killable():
+    with LocalCluster(workers=3, heartbeat_interval_s=0.2, heartbeat_liveness=5) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_request_is_retried_elsewhere(killable):
+    with SandboxClient(killable.address) as client:
+        async def scenario():
+            task = asyncio.ensure_future(client.arun("import time; time.sleep(1.0); print('done')", timeout=10))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                busy = [w for w in killable.status().workers if w.in_flight]
+                if busy:
+                    break
+            assert len(busy) == 1
+            killable.kill_worker(int(busy[0].name.split("-")[1]))
+            return await task
+
+        before = killable.status().retried
+        res = asyncio.run(scenario())
+        assert res.status is Status.OK and res.stdout == "done\n"
+        assert killable.status().retried == before + 1
+    killable.wait_workers()
+
+
+@pytest.mark.slow
+def test_burst_of_1000_while_workers_are_killed_gets_exactly_one_reply_each(killable):
+    killable.wait_workers()
+    n_clients, per_client = 4, 250
+    sockets = []
+    for _ in range(n_clients):
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(killable.address)
+        sockets.append(s)
+    replies: dict[str, list[P.ExecResult]] = collections.defaultdict(list)
+    try:
+        for c, sock in enumerate(sockets):
+            for i in range(per_client):
+                rid = f"c{c}-{i}"
+                sock.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id=rid, code=f"print('{rid}')", timeout=10))])
+        kills, next_kill = 0, time.monotonic() + 0.5
+        poller = zmq.Poller()
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        end = time.monotonic() + 150
+        while sum(len(v) > 0 for v in replies.values()) < n_clients * per_client and time.monotonic() < end:
+            for sock, _ in poller.poll(50):
+                kind, payload = sock.recv_multipart()
+                res = P.decode_result(payload)
+                replies[res.id].append(res)
+            if kills < 3 and time.monotonic() >= next_kill:
+                killable.kill_worker(kills % 3)
+                kills, next_kill = kills + 1, time.monotonic() + 1.0
+        for sock, _ in poller.poll(1000):  # anything answered twice would show up now
+            replies[P.decode_result(sock.recv_multipart()[1]).id].append(None)
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert kills == 3
+    expected = {f"c{c}-{i}" for c in range(n_clients) for i in range(per_client)}
+    assert set(replies) == expected, f"missing: {sorted(expected - set(replies))[:5]}"
+    assert all(len(v) == 1 for v in replies.values()), [k for k, v in replies.items() if len(v) != 1][:5]
+    statuses = collections.Counter(v[0].status for v in replies.values())
+    assert set(statuses) <= {Status.OK, Status.SANDBOX_ERROR}, statuses
+    assert statuses[Status.OK] >= 990, statuses
+    assert all(v[0].stdout == f"{k}\n" for k, v in replies.items() if v[0].status is Status.OK)
+    assert killable.status().retried >= 1
+    killable.wait_workers()
