@@ -20,8 +20,8 @@ How it works
       ``torch.Generator`` (seeded from ``SamplingParams.seed``, or from the engine's seed
       when ``None``), so a request's output does not depend on what else is in the
       batch -- up to float rounding: batched and unbatched matmuls differ in the last
-      bits, so log-probs agree to ~1e-5 and a sampled token can only differ when its
-      uniform draw falls within that distance of a CDF boundary.
+      bits, so log-probs agree to ~1e-5 (float32), and Gumbel-max sampling changes a
+      token only when the two best perturbed scores are that close (~1e-6 per token).
     * Finish: a stop string completed in the *generated* text (the completing token is
       kept, SGLang ``no_stop_trim``), an EOS id (kept), ``max_new_tokens``, the model's
       context limit (LENGTH, ``meta["context_limit"] = True``), or ABORT (pause with
@@ -180,7 +180,7 @@ class LocalEngine:
             prompt_ids=prompt,
             params=params,
             future=asyncio.get_running_loop().create_future(),
-            rng=torch.Generator(device="cpu").manual_seed(seed),
+            rng=torch.Generator(device=self.device).manual_seed(seed),
             stop=StopStringMatcher(self.tokenizer, params.stop),
             weight_version_start=self._weight_version,
         )
@@ -448,9 +448,10 @@ class LocalEngine:
         temperature_B = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device)
         top_p_B = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device)
         top_k_B = torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=device)
-        uniform_B = torch.cat([torch.rand(1, generator=r.rng) for r in requests]).to(device)
+        vocab = logits_BV.shape[1]
+        uniform_BV = torch.stack([torch.rand(vocab, generator=r.rng, device=device) for r in requests])
         token_B, logprob_B = sample_tokens(logits_BV, temperature_B=temperature_B, top_p_B=top_p_B,
-                                           top_k_B=top_k_B, uniform_B=uniform_B)
+                                           top_k_B=top_k_B, uniform_BV=uniform_BV)
         batch.pending_B = token_B
         finished = []
         for request, token, logprob in zip(requests, token_B.tolist(), logprob_B.tolist()):
