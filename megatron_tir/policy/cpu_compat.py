@@ -11,7 +11,7 @@ What is redirected (and why):
 
 * ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` inside the modules in
   ``_CUDA_DEVICE_MODULES``: buffers for TP gathers (``tensor_parallel.mappings``,
-  ``tensor_parallel.layers``), rotary ``inv_freq`` placement, and pipeline p2p shape
+  ``tensor_parallel.layers``), the global memory buffer of attention (``utils``), rotary ``inv_freq`` placement, and pipeline p2p shape
   exchange allocate on "the current CUDA device"; dist_checkpointing's writer
   synchronizes CUDA after staging tensors to host memory and reduces its
   failure flags on the current CUDA device. Those modules see a ``torch`` proxy
@@ -53,6 +53,7 @@ _applied = False
 # Modules whose module-level ``torch`` is replaced by the CPU proxy.
 _CUDA_DEVICE_MODULES = (
     ("megatron.core.tensor_parallel.mappings", "torch.cuda.current_device()"),
+    ("megatron.core.utils", "torch.cuda.current_device()"),
     ("megatron.core.tensor_parallel.layers", "torch.cuda.current_device()"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "torch.cuda.current_device()"),
     ("megatron.core.pipeline_parallel.p2p_communication", "torch.cuda.current_device()"),

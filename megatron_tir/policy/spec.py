@@ -160,6 +160,7 @@ class ModelSpec:
             hidden_dropout=0.0,
             attention_dropout=0.0,
             params_dtype=self.torch_dtype,
+            pipeline_dtype=self.torch_dtype,
             bf16=self.torch_dtype == torch.bfloat16,
             fp16=self.torch_dtype == torch.float16,
             attention_softmax_in_fp32=True,

@@ -1,0 +1,59 @@
+"""Load a checkpoint into a live (parallel) GPTModel and save one from it.
+
+These run on every rank of a TP x PP job and are what the trainer reuses: the model's
+own ``sharded_state_dict(prefix=MODEL_PREFIX)`` says which slices this rank holds, and
+``dist_checkpointing`` reads/writes exactly those, whatever layout wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, read_meta,
+                                      write_meta)
+from megatron_tir.policy.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model, ckpt: Path) -> None:
+    """Fill this rank's ``model`` (a GPTModel stage) from the dist checkpoint ``ckpt``."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
+    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded.items()}
+    model.load_state_dict(state, strict=True)
+
+
+def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files: Path | None,
+               iteration: int | None = None, source: str = "") -> None:
+    """Save this rank's ``model`` into ``ckpt`` (all ranks call this), then rank 0 writes the metadata."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    ckpt = Path(ckpt)
+    dist_checkpointing.save(model.sharded_state_dict(prefix=MODEL_PREFIX), str(ckpt))
+    if torch.distributed.get_rank() == 0:
+        if hf_files is not None and Path(hf_files).is_dir():
+            copy_hf_files(hf_files, ckpt / HF_FILES_DIR)
+        write_meta(ckpt, CheckpointMeta(
+            model_spec=spec.to_dict(), hf_config=hf_config, iteration=iteration, source=source,
+            tp=parallel_state.get_tensor_model_parallel_world_size(),
+            pp=parallel_state.get_pipeline_model_parallel_world_size()))
+    torch.distributed.barrier()
+
+
+def check_same_model(meta: CheckpointMeta, spec: ModelSpec, what: str) -> None:
+    """ValueError unless ``spec`` describes the model in the checkpoint (dtype aside)."""
+    a, b = meta.spec.to_dict(), spec.to_dict()
+    diffs = [f"{k} {a[k]} vs {b[k]}" for k in a if k != "dtype" and a[k] != b[k]]
+    if diffs:
+        raise ValueError(f"checkpoint holds a different model than {what}: {', '.join(diffs[:3])}")
+
+
+def read_spec(ckpt: Path) -> tuple[CheckpointMeta, ModelSpec]:
+    meta = read_meta(ckpt)
+    return meta, meta.spec
