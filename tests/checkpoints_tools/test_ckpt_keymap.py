@@ -1,0 +1,72 @@
+"""Key maps and transforms against hand-built expectations (no megatron needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints_tools import keymap
+from megatron_tir.models import tiny_config
+from megatron_tir.policy.spec import ModelSpec
+
+
+def _spec(family="qwen2", **kw):
+    return ModelSpec.from_hf(tiny_config(family, num_heads=6, num_kv_heads=2, hidden_size=48, **kw))
+
+
+def test_qkv_interleave_by_query_group_matches_hand_layout():
+    spec = _spec()  # 6 query heads, 2 groups -> 3 heads per group, head_dim 8
+    d = spec.head_dim
+    # Each row holds its (kind, head) id so the layout can be read back.
+    q = torch.arange(6).repeat_interleave(d).float().unsqueeze(1) + 100  # heads 100..105
+    k = torch.arange(2).repeat_interleave(d).float().unsqueeze(1) + 200
+    v = torch.arange(2).repeat_interleave(d).float().unsqueeze(1) + 300
+    p = next(p for p in keymap.plan(spec) if p.megatron == "decoder.layers.0.self_attention.linear_qkv.weight")
+    fused = keymap.to_megatron(p, [q, k, v], spec)
+    heads = fused[::d, 0].tolist()
+    assert heads == [100, 101, 102, 200, 300, 103, 104, 105, 201, 301]
+
+
+def test_gate_up_is_gate_then_up():
+    spec = _spec("llama")
+    p = next(p for p in keymap.plan(spec) if p.megatron.endswith("0.mlp.linear_fc1.weight"))
+    gate, up = torch.zeros(128, 48), torch.ones(128, 48)
+    fused = keymap.to_megatron(p, [gate, up], spec)
+    assert fused.shape == (256, 48) and fused[:128].sum() == 0 and fused[128:].sum() == 128 * 48
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_transforms_invert_exactly(family, tied):
+    spec = _spec(family, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    for p in keymap.plan(spec):
+        hf = [torch.randn(s) for s in p.hf_shapes]
+        meg = keymap.to_megatron(p, hf, spec)
+        assert tuple(meg.shape) == p.megatron_shape
+        back = keymap.to_hf(p, meg, spec)
+        assert all(torch.equal(a, b) and b.is_contiguous() for a, b in zip(hf, back))
+
+
+def test_plan_covers_every_hf_tensor_of_the_family(make_tiny_hf):
+    from safetensors import safe_open
+
+    for family, tied in [("llama", True), ("qwen2", False)]:
+        hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
+        spec = ModelSpec.from_hf(tiny_config(family, tie_word_embeddings=tied))
+        with safe_open(hf_dir / "model.safetensors", "pt") as f:
+            names = set(f.keys()) - ({"lm_head.weight"} if tied else set())
+        planned = {n for p in keymap.plan(spec) for n in p.hf}
+        assert planned == names
+        assert ("lm_head.weight" in planned) == (not tied)
+        assert any(n.endswith("q_proj.bias") for n in planned) == (family == "qwen2")
+
+
+def test_tables_are_readable_markdown():
+    for family in keymap.KEY_MAPS:
+        table = keymap.table(family)
+        assert table.count("\n") == len(keymap.KEY_MAPS[family]) + 1
+        assert "linear_qkv" in table and "qkv" in table and "gate_up" in table
+    assert "q_proj.bias" in keymap.table("qwen2") and "q_proj.bias" not in keymap.table("llama")
+    with pytest.raises(ValueError):
+        keymap.table("gpt2")

@@ -1,0 +1,82 @@
+"""HF -> Megatron -> HF is bit-exact for every tensor, and the layout docs hold."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from checkpoints_tools.convert import megatron_to_hf
+from checkpoints_tools.layout import (CHECKPOINTS_DIR, LATEST_FILE, META_NAME, iteration_dir, read_meta,
+                                      resolve_checkpoint)
+
+
+def _assert_same_tensors(src_dir, out_dir, tied: bool):
+    a = load_file(src_dir / "model.safetensors")
+    if tied:
+        a.pop("lm_head.weight", None)
+    b = load_file(out_dir / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)])
+def test_tiny_round_trip_is_bit_exact(family, tied, make_tiny_hf, convert_once, tmp_path):
+    hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
+    ckpt = convert_once(hf_dir)
+    meta = read_meta(ckpt)
+    assert meta.spec.family == family and meta.spec.tie_word_embeddings == tied
+    assert meta.spec.qkv_bias == (family == "qwen2")
+    out = megatron_to_hf(ckpt, tmp_path / "hf")
+    _assert_same_tensors(hf_dir, out, tied)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["tie_word_embeddings"] == tied
+    assert (out / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_smollm2_round_trip_is_bit_exact(smollm2_dir, smollm2_ckpt, tmp_path):
+    out = megatron_to_hf(smollm2_ckpt, tmp_path / "hf")
+    _assert_same_tensors(smollm2_dir, out, tied=True)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config  # the exported weights are plain float tensors
+
+
+def test_exported_dir_loads_in_transformers_with_identical_logits(make_tiny_hf, convert_once, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_hf("qwen2", tie_word_embeddings=False)
+    out = megatron_to_hf(convert_once(hf_dir), tmp_path / "hf")
+    ids = torch.tensor([[1, 5, 9, 300, 7, 2]])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    assert torch.equal(ref, got)
+
+
+def test_sharded_export_and_run_dir_resolution(make_tiny_hf, convert_once, tmp_path):
+    """A run dir (checkpoints/iter_N + latest file) resolves to its latest iteration."""
+    hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
+    ckpt = convert_once(hf_dir)
+    run = tmp_path / "run"
+    for it in (50, 100):
+        shutil.copytree(ckpt, iteration_dir(run, it))
+    (run / CHECKPOINTS_DIR / LATEST_FILE).write_text("50\n")
+    assert resolve_checkpoint(run) == iteration_dir(run, 50)
+    (run / CHECKPOINTS_DIR / LATEST_FILE).unlink()
+    assert resolve_checkpoint(run) == iteration_dir(run, 100)
+    out = megatron_to_hf(run, tmp_path / "hf", max_shard_bytes=2**20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    ref = load_file(hf_dir / "model.safetensors")
+    for name, fname in index["weight_map"].items():
+        with safe_open(out / fname, "pt") as f:
+            assert torch.equal(f.get_tensor(name), ref[name]), name
+    assert (iteration_dir(run, 100) / META_NAME).is_file()
