@@ -44,6 +44,10 @@ class PromptConfig:
         for key in ("{instruction}", "{problem}"):
             if key not in self.plain_template:
                 raise ValueError(f"plain_template must contain {key}")
+        from megatron_tir.tir.markup import extract_code
+
+        if extract_code(self.response_prefix) is not None:
+            raise ValueError("response_prefix must not contain a complete code block (it starts the first turn)")
 
 
 def problem_text(messages: Sequence[dict]) -> str:

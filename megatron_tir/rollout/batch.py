@@ -1,0 +1,115 @@
+"""Groups of trajectories and their collation into padded tensors for a GRPO-style trainer.
+
+Layout of :class:`RolloutBatch` (B trajectories, T = longest prompt + response):
+every ``*_BT`` tensor is aligned with ``tokens_BT``; column ``t`` describes token ``t``.
+``loss_mask_BT[b, t]`` is 1 when token ``t`` was sampled by the policy (a model token of
+the response), 0 for prompt, feedback and padding; ``old_logprobs_BT[b, t]`` is the
+engine's log-prob of that token where the mask is 1, else 0. A trainer that computes
+``logp(token t | tokens < t)`` from the logits at ``t - 1`` compares against column ``t``.
+Trajectories keep their group order (group-major), ``group_index_B`` says which group
+(prompt) each row belongs to, ``trainable_B`` is False for void trajectories (SimpleTIR),
+failed tool infrastructure and engine aborts -- their rewards still belong to their
+group's statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tir.data.problems import Problem
+from megatron_tir.rollout.trajectory import Trajectory
+
+
+@dataclass(kw_only=True, slots=True)
+class Group:
+    """The n trajectories sampled for one prompt."""
+
+    group_id: int
+    problem: Problem | None
+    trajectories: list[Trajectory]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            raise ValueError(f"group {self.group_id} has no trajectories")
+        bad = [t.group_id for t in self.trajectories if t.group_id != self.group_id]
+        if bad:
+            raise ValueError(f"group {self.group_id} holds trajectories of group(s) {sorted(set(bad))}")
+
+    @property
+    def rewards(self) -> list[float]:
+        if any(t.reward is None for t in self.trajectories):
+            raise ValueError(f"group {self.group_id} has unscored trajectories")
+        return [float(t.reward) for t in self.trajectories]
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutBatch:
+    tokens_BT: torch.Tensor  # long: prompt + response ids, right-padded with pad_id
+    attention_mask_BT: torch.Tensor  # bool: real tokens
+    loss_mask_BT: torch.Tensor  # float: 1 on policy-sampled response tokens
+    old_logprobs_BT: torch.Tensor  # float: engine log-probs where loss_mask is 1, else 0
+    response_start_B: torch.Tensor  # long: index of the first response token (= prompt length)
+    lengths_B: torch.Tensor  # long: prompt + response length
+    rewards_B: torch.Tensor  # float
+    group_index_B: torch.Tensor  # long: position of the row's group in the input (0..G-1)
+    sample_index_B: torch.Tensor  # long
+    trainable_B: torch.Tensor  # bool: False for void / tool_failed / aborted trajectories
+    void_B: torch.Tensor  # bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BT.shape[0]
+
+
+def flatten(groups: Sequence[Group]) -> list[Trajectory]:
+    return [t for g in groups for t in g.trajectories]
+
+
+def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None) -> RolloutBatch:
+    """Pad every trajectory of ``groups`` (group-major order) into one batch.
+
+    ``max_len`` (optional) bounds T; a longer trajectory raises ValueError (cut it
+    upstream with a smaller response budget instead of silently losing tokens).
+    """
+    if not groups:
+        raise ValueError("collate needs at least one group")
+    rows: list[tuple[int, Trajectory]] = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    for _, t in rows:
+        if t.reward is None:
+            raise ValueError(f"trajectory {t.group_id}/{t.sample_index} has no reward")
+        if not (len(t.response_ids) == len(t.loss_mask) == len(t.response_logprobs)):
+            raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: ids, mask and log-probs differ in length")
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for _, t in rows]
+    T = max(lengths)
+    if max_len is not None and T > max_len:
+        raise ValueError(f"a trajectory has {T} tokens, more than max_len={max_len}")
+    B = len(rows)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.bool)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    old_lp = torch.zeros((B, T), dtype=torch.float32)
+    for b, (_, t) in enumerate(rows):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        tokens[b, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attn[b, :p + r] = True
+        if r:
+            m = torch.tensor(t.loss_mask, dtype=torch.float32)
+            mask[b, p:p + r] = m
+            lp = torch.tensor(t.response_logprobs, dtype=torch.float32)
+            old_lp[b, p:p + r] = torch.where(m > 0, lp, torch.zeros_like(lp))
+    return RolloutBatch(
+        tokens_BT=tokens,
+        attention_mask_BT=attn,
+        loss_mask_BT=mask,
+        old_logprobs_BT=old_lp,
+        response_start_B=torch.tensor([len(t.prompt_ids) for _, t in rows], dtype=torch.long),
+        lengths_B=torch.tensor(lengths, dtype=torch.long),
+        rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
+        group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
+        sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
+        trainable_B=torch.tensor([t.trainable for _, t in rows], dtype=torch.bool),
+        void_B=torch.tensor([t.void for _, t in rows], dtype=torch.bool),
+    )

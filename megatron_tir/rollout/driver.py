@@ -1,0 +1,308 @@
+"""The asynchronous multi-turn TIR rollout driver.
+
+Every trajectory is an asyncio task; many are in flight at once (``max_in_flight``).
+A trajectory alternates model turns and tool calls:
+
+1. **Turn**: generate from ``prompt + response so far`` (token ids) with the stop strings
+   of :func:`megatron_tir.tir.stop_strings`; a pause that is not a turn end (an opening
+   fence, a closed non-Python block) continues with a new request extending the same ids
+   (see :mod:`megatron_tir.tir.markup` for why and what it costs). The turn is then
+   classified by :func:`megatron_tir.tir.classify_turn`.
+2. **Void** turn: the trajectory stops, status ``void`` (SimpleTIR: excluded from the
+   policy loss, still counted in its group's reward statistics).
+   **Answer** turn: the trajectory is complete.
+   **Code** turn: the code (with the ``final_answer`` prelude) goes to the sandbox; while
+   it runs, the engine keeps serving the other trajectories -- there is no per-turn
+   barrier. The feedback text is tokenized and appended as ids with loss mask 0.
+3. Budgets: ``max_turns`` model turns and ``max_response_tokens`` response tokens (model
+   and feedback tokens together) per trajectory.
+
+A sandbox failure is a recorded outcome: the model's errors, timeouts and memory kills
+become feedback; an infrastructure failure (``sandbox_error``, ``overloaded`` after the
+client's retries, or an exception from the sandbox client) ends the trajectory with
+status ``tool_failed``. What is trained is exactly what was sampled: response ids are the
+engine's ids, in order, with the engine's log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from megatron_tir.data.problems import Problem
+from megatron_tir.rollout.batch import Group
+from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.sandbox import Sandbox
+from megatron_tir.rollout.trajectory import FinishStatus, ToolCall, Trajectory, Turn
+from megatron_tir.tir import (
+    FeedbackConfig,
+    PromptConfig,
+    TurnKind,
+    build_prompt_ids,
+    classify_turn,
+    format_feedback,
+    last_boxed,
+    program_for,
+    stop_strings,
+)
+from megatron_tir.tir.feedback import INFRA_FAILURES
+from sandbox_cluster.protocol import ExecResult, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    n_samples: int = 1  # trajectories per prompt (the GRPO group size)
+    max_turns: int = 5
+    max_response_tokens: int = 16384  # model + feedback tokens, all turns
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0  # per-request seeds derive from (seed, group_id, sample_index)
+    max_in_flight: int = 64  # trajectories running at once
+    tool_timeout_s: float = 10.0
+    tool_memory_mb: int = 1024
+    stop_on_tool_answer: bool = True  # a final_answer() printed by the tool completes the trajectory
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("n_samples", "max_turns", "max_response_tokens", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 < self.tool_timeout_s <= 300:
+            raise ValueError(f"tool_timeout_s must be in (0, 300], got {self.tool_timeout_s}")
+        if not 16 <= self.tool_memory_mb <= 16384:
+            raise ValueError(f"tool_memory_mb must be in [16, 16384], got {self.tool_memory_mb}")
+
+
+@dataclass(kw_only=True, slots=True)
+class _TurnResult:
+    ids: list[int]
+    logprobs: list[float]
+    finish: FinishReason
+    text: str
+    requests: int
+    seconds: float
+
+
+class TIRRollout:
+    """Runs TIR trajectories against a generation engine and a sandbox.
+
+    ``tokenizer`` decodes sampled ids (to read the turn's text) and encodes feedback;
+    ``verifier`` (a :class:`~megatron_tir.reward.MathVerifier`) scores finished
+    trajectories when given, else ``reward`` stays None.
+    """
+
+    def __init__(self, engine: GenerationEngine, tokenizer, sandbox: Sandbox, config: RolloutConfig,
+                 verifier=None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sandbox = sandbox
+        self.config = config
+        self.verifier = verifier
+
+    # ------------------------------------------------------------------ batch API
+
+    async def run(self, problems: Sequence[Problem], *, group_id_offset: int = 0,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Group]:
+        """``n_samples`` trajectories per problem, all in flight together; one Group per problem."""
+        cfg = self.config
+        prompts = [build_prompt_ids(p.messages, cfg.prompt, self.tokenizer) for p in problems]
+        slots = asyncio.Semaphore(cfg.max_in_flight)
+
+        async def one(i: int, s: int) -> Trajectory:
+            t0 = time.perf_counter()
+            async with slots:
+                queued = time.perf_counter() - t0
+                traj = await self.run_trajectory(prompts[i], group_id=group_id_offset + i, sample_index=s,
+                                                 problem=problems[i])
+            traj.timings.queued_s = queued
+            if on_done is not None:
+                on_done(traj)
+            return traj
+
+        tasks = [[asyncio.create_task(one(i, s)) for s in range(cfg.n_samples)] for i in range(len(problems))]
+        try:
+            groups = []
+            for i, row in enumerate(tasks):
+                groups.append(Group(group_id=group_id_offset + i, problem=problems[i],
+                                    trajectories=list(await asyncio.gather(*row))))
+            return groups
+        finally:
+            for row in tasks:
+                for t in row:
+                    t.cancel()
+
+    # ------------------------------------------------------------------ one trajectory
+
+    async def run_trajectory(self, prompt_ids: Sequence[int], *, group_id: int, sample_index: int,
+                             problem: Problem | None = None) -> Trajectory:
+        cfg = self.config
+        traj = Trajectory(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
+                          problem_index=problem.index if problem else -1,
+                          data_source=problem.data_source if problem else "",
+                          ground_truth=problem.ground_truth if problem else "")
+        rng = random.Random(f"{cfg.seed}/{group_id}/{sample_index}")
+        t_start = time.perf_counter()
+        answers: list[tuple[str, str]] = []  # (answer, source) in the order they appeared
+
+        for turn_index in range(cfg.max_turns):
+            budget = cfg.max_response_tokens - len(traj.response_ids)
+            if budget <= 0:
+                traj.status = FinishStatus.TRUNCATED
+                break
+            context = traj.prompt_ids + traj.response_ids
+            # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
+            # opened code block): that text is parsed as the start of turn 0.
+            prefix = cfg.prompt.response_prefix if turn_index == 0 else ""
+            tr = await self._generate_turn(context, budget, rng, prefix)
+            traj.engine_requests += tr.requests
+            traj.timings.generation_s += tr.seconds
+            cls = classify_turn(prefix + tr.text, tr.finish)
+            turn = Turn(index=turn_index, kind=cls.kind, reason=cls.reason, finish_reason=tr.finish,
+                        start=len(traj.response_ids), model_tokens=len(tr.ids), text=tr.text, code=cls.code,
+                        answer=cls.answer, requests=tr.requests, generation_s=tr.seconds)
+            traj.append_model_tokens(tr.ids, tr.logprobs)
+            traj.turns.append(turn)
+            if cls.answer is not None:
+                answers.append((cls.answer, "model"))
+
+            if cls.kind is TurnKind.VOID:
+                if tr.finish is FinishReason.ABORT:
+                    traj.status = FinishStatus.ABORTED
+                else:
+                    traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
+                break
+            if cls.kind is TurnKind.ANSWER:
+                traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
+                break
+
+            # A code turn: run it while the engine serves the other trajectories.
+            tool = await self._execute(cls.code)
+            turn.tool = tool
+            traj.timings.tool_s += tool.latency_s
+            if tool.infra_failure:
+                traj.status = FinishStatus.TOOL_FAILED
+                break
+            if tool.answer is not None:
+                answers.append((tool.answer, "tool"))
+            feedback = format_feedback(_as_result(tool), cfg.feedback, timeout=cfg.tool_timeout_s,
+                                       memory_mb=cfg.tool_memory_mb, leading_newline=not tr.text.endswith("\n"))
+            fb_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False))
+            if len(traj.response_ids) + len(fb_ids) <= cfg.max_response_tokens:
+                traj.append_feedback_tokens(fb_ids)
+                turn.feedback_tokens = len(fb_ids)
+                tool.feedback = feedback
+                fits = True
+            else:
+                fits = False
+            if tool.answer is not None and cfg.stop_on_tool_answer:
+                traj.status = FinishStatus.COMPLETED
+                break
+            if not fits:
+                traj.status = FinishStatus.TRUNCATED
+                break
+        else:
+            traj.status = FinishStatus.MAX_TURNS
+
+        if answers:
+            traj.final_answer, traj.answer_source = answers[-1]
+        if self.verifier is not None and traj.ground_truth:
+            t0 = time.perf_counter()
+            traj.reward = await self.verifier.ascore(traj.final_answer, traj.ground_truth)
+            traj.timings.reward_s = time.perf_counter() - t0
+        traj.timings.wall_s = time.perf_counter() - t_start
+        return traj
+
+    async def _generate_turn(self, context: list[int], budget: int, rng: random.Random, prefix: str = "") -> _TurnResult:
+        """Generate one model turn in phases (see megatron_tir.tir.markup) within ``budget`` tokens.
+
+        ``prefix`` is text at the end of ``context`` that belongs to this turn's markup.
+        """
+        cfg = self.config
+        ids: list[int] = []
+        logprobs: list[float] = []
+        requests = 0
+        seconds = 0.0
+        text = ""
+        while True:
+            params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
+                                    top_k=cfg.top_k, stop=stop_strings(prefix + text), seed=rng.getrandbits(63))
+            t0 = time.perf_counter()
+            gen = await self.engine.generate(context + ids, params)
+            seconds += time.perf_counter() - t0
+            requests += 1
+            ids.extend(gen.token_ids)
+            logprobs.extend(gen.logprobs)
+            text = self._decode(ids)
+            finish = gen.finish_reason
+            if finish is not FinishReason.STOP:
+                break  # EOS, LENGTH or ABORT end the turn
+            if classify_turn(prefix + text, finish).kind is TurnKind.CODE:
+                ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
+                break
+            if not gen.token_ids:  # an engine that stops without sampling would loop forever
+                log.error("engine returned STOP with no tokens; ending the turn as aborted")
+                finish = FinishReason.ABORT
+                break
+            if len(ids) >= budget:
+                finish = FinishReason.LENGTH
+                break
+        return _TurnResult(ids=ids, logprobs=logprobs, finish=finish, text=text, requests=requests, seconds=seconds)
+
+    def _trim_overshoot(self, ids: list[int], logprobs: list[float], text: str, prefix: str):
+        """Keep the turn ending at the token that closes the code block.
+
+        By construction of the stop strings the engine stops on that token; if an engine
+        matched stops differently and ran past it, the extra tokens are dropped (and
+        logged), so the turn still ends at the block.
+        """
+        if len(ids) < 2 or classify_turn(prefix + self._decode(ids[:-1])).kind is not TurnKind.CODE:
+            return ids, logprobs, text
+        lo, hi = 1, len(ids) - 1  # the shortest CODE prefix lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if classify_turn(prefix + self._decode(ids[:mid])).kind is TurnKind.CODE:
+                hi = mid
+            else:
+                lo = mid + 1
+        log.warning("engine ran %d token(s) past a closing code fence; dropped them", len(ids) - lo)
+        return ids[:lo], logprobs[:lo], self._decode(ids[:lo])
+
+    async def _execute(self, code: str) -> ToolCall:
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            res = await self.sandbox.execute(program_for(code), timeout=cfg.tool_timeout_s,
+                                             memory_mb=cfg.tool_memory_mb)
+        except Exception as exc:  # noqa: BLE001 - a sandbox failure is a recorded outcome
+            log.warning("sandbox call failed: %s: %s", type(exc).__name__, exc)
+            return ToolCall(status=Status.SANDBOX_ERROR.value, message=f"{type(exc).__name__}: {exc}",
+                            latency_s=time.perf_counter() - t0)
+        latency = time.perf_counter() - t0
+        if res.status in INFRA_FAILURES:
+            log.warning("sandbox infrastructure failure (%s): %s", res.status.value, res.message)
+        return ToolCall(status=res.status.value, stdout=res.stdout, stderr=res.stderr, exit_code=res.exit_code,
+                        stdout_truncated=res.stdout_truncated, message=res.message, sandbox_wall_s=res.wall_time, latency_s=latency,
+                        answer=None if res.status in INFRA_FAILURES else last_boxed(res.stdout))
+
+    def _decode(self, ids: list[int]) -> str:
+        # As the engines' stop matchers see the text: special tokens kept, no clean-up.
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _as_result(tool: ToolCall) -> ExecResult:
+    return ExecResult(id="", status=Status(tool.status), stdout=tool.stdout, stderr=tool.stderr,
+                      exit_code=tool.exit_code, stdout_truncated=tool.stdout_truncated, message=tool.message)
