@@ -168,27 +168,39 @@ class SlotCgroup:
         root = Path("/sys/fs/cgroup") / controller
         if not (root / "cgroup.procs").exists():
             raise RuntimeError(f"cgroup v1 controller {controller} is not mounted at {root}")
-        self.path = root / _own_cgroup_path(controller).lstrip("/") / "sandbox-cluster" / name
+        self.origin = root / _own_cgroup_path(controller).lstrip("/")
+        self.path = self.origin / "sandbox-cluster" / name
         self.path.mkdir(parents=True, exist_ok=True)
         self.kill_all()
 
+    def enter(self) -> None:
+        """Move the calling process (the zygote) in: its forks are born here, with no per-cell
+        migration (a v1 cgroup migration waits for an RCU grace period: milliseconds)."""
+        self.write("cgroup.procs", 0)
+
     def write(self, key: str, value: str | int) -> None:
-        (self.path / key).write_text(str(value))
+        fd = os.open(self.path / key, os.O_WRONLY)
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
 
     def read(self, key: str) -> str:
-        return (self.path / key).read_text()
-
-    def procs_file(self) -> str:
-        return str(self.path / "cgroup.procs")
+        fd = os.open(self.path / key, os.O_RDONLY)
+        try:
+            return os.read(fd, 1 << 16).decode()
+        finally:
+            os.close(fd)
 
     def pids(self) -> list[int]:
         return [int(x) for x in self.read("cgroup.procs").split()]
 
     def kill_all(self, deadline_s: float = 2.0) -> bool:
-        """SIGKILL every process in the cgroup until it is empty; True if empty."""
+        """SIGKILL every process in the cgroup but the caller until none is left; True if none is."""
         end = time.monotonic() + deadline_s
+        me = os.getpid()
         while True:
-            pids = self.pids()
+            pids = [p for p in self.pids() if p != me]
             if not pids:
                 return True
             for pid in pids:
@@ -204,6 +216,10 @@ class SlotCgroup:
     def remove(self) -> None:
         self.kill_all()
         try:
+            (self.origin / "cgroup.procs").write_text("0")  # leave, so the directory can go
+        except OSError:
+            pass
+        try:
             self.path.rmdir()
         except OSError as exc:
             log.warning("could not remove cgroup %s: %s", self.path, exc)
@@ -218,7 +234,7 @@ def memory_oom_kills(cg: SlotCgroup) -> int:
 
 
 def set_memory_limit(cg: SlotCgroup, limit_bytes: int, with_swap: bool) -> None:
-    """Set memory (and memory+swap when the host has swap accounting) to the same limit."""
+    """Set memory (and memory+swap when the host has swap accounting) to the same limit (-1: none)."""
     keys = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if with_swap else [])
     try:
         for key in keys:
@@ -273,10 +289,34 @@ _DENIED_SYSCALLS = (
 )
 
 
-def build_seccomp_filter():
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+
+
+class CompiledSeccomp:
+    """A seccomp program compiled once (in the zygote); ``load()`` in a cell is two prctl calls."""
+
+    def __init__(self, bpf: bytes) -> None:
+        if not bpf or len(bpf) % 8:
+            raise RuntimeError(f"libseccomp exported {len(bpf)} bytes of BPF (not whole instructions)")
+        self._code = ctypes.create_string_buffer(bpf, len(bpf))
+        self._prog = _SockFprog(len(bpf) // 8, ctypes.addressof(self._code))
+        self.instructions = len(bpf) // 8
+
+    def load(self) -> None:
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog), 0, 0),
+               "prctl(PR_SET_SECCOMP)")
+
+
+def build_seccomp_filter() -> CompiledSeccomp:
     """A filter that allows everything except the calls above (EPERM) and namespace-creating clones.
 
-    Built once per zygote; each forked cell only calls ``.load()``. Syscalls of other
+    Compiled to BPF once per zygote; each forked cell only installs it. Syscalls of other
     architectures (e.g. i386 via int 0x80) hit libseccomp's bad-arch action (kill).
     """
     import pyseccomp as seccomp
@@ -295,4 +335,11 @@ def build_seccomp_filter():
         flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     except (OSError, ValueError, RuntimeError):
         pass
-    return flt
+    fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as out:
+            flt.export_bpf(out)
+        bpf = os.pread(fd, 1 << 20, 0)
+    finally:
+        os.close(fd)
+    return CompiledSeccomp(bpf)

@@ -175,6 +175,14 @@ class Zygote:
         self.swap_accounting = False
         self.can_switch_uid = os.geteuid() == 0
         self.tmpfs_dirs: list[str] = []
+        self._oom_kills = 0
+        # Built before any fork, so a cell only rebinds nothing: fds 0/1/2 are dup2'ed underneath.
+        self._stdio = (
+            io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"),
+            io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace"),
+            io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                             line_buffering=True),
+        )
 
     # ---- setup, once
 
@@ -213,9 +221,14 @@ class Zygote:
         self.memory_cg = self._protect("cgroup_memory", lambda: isolation.SlotCgroup("memory", name))
         self.pids_cg = self._protect("cgroup_pids", lambda: isolation.SlotCgroup("pids", name))
         if self.pids_cg is not None:
-            self.pids_cg.write("pids.max", self.limits.max_processes)
+            self.pids_cg.write("pids.max", self.limits.max_processes + 1)  # + the zygote itself
         if self.memory_cg is not None:
             self.swap_accounting = (self.memory_cg.path / "memory.memsw.limit_in_bytes").exists()
+            self._oom_kills = isolation.memory_oom_kills(self.memory_cg)
+        for cg in (self.memory_cg, self.pids_cg):
+            if cg is not None:
+                cg.enter()
+
         self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
         # rlimits are always available (setrlimit needs no privilege to lower limits).
         self.protections.append(Protection(name="rlimits", active=True, detail="cpu,as,fsize,nproc,nofile,core"))
@@ -238,12 +251,11 @@ class Zygote:
         for d in self.tmpfs_dirs or [isolation.WORKDIR]:
             isolation.wipe_dir(d)
         mem_bytes = req.memory_mb << 20
-        oom_before = 0
         if self.memory_cg is not None:
             try:
                 isolation.set_memory_limit(self.memory_cg, mem_bytes, self.swap_accounting)
-                oom_before = isolation.memory_oom_kills(self.memory_cg)
             except OSError as exc:
+                self._lift_memory_limit()
                 return ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"cgroup memory limit: {exc}")
         vm_size = _vm_size_bytes()
         cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
@@ -267,7 +279,10 @@ class Zygote:
         stderr, stderr_trunc = captures[1].render()
         cpu_time = rusage.ru_utime + rusage.ru_stime
         exit_code = os.waitstatus_to_exitcode(exit_status)
-        oom = self.memory_cg is not None and isolation.memory_oom_kills(self.memory_cg) > oom_before
+        oom = False
+        if self.memory_cg is not None:
+            oom_kills = isolation.memory_oom_kills(self.memory_cg)
+            oom, self._oom_kills = oom_kills > self._oom_kills, oom_kills
         message = ""
         if verdict is not None:
             status = verdict
@@ -334,6 +349,7 @@ class Zygote:
             _, exit_status, rusage = os.wait4(pid, 0)
             wall = (exited_at or time.monotonic()) - start
             self._kill_tree()
+            self._lift_memory_limit()
             for fd, cap in streams.items():  # every writer is dead now: drain what is buffered
                 os.set_blocking(fd, False)
                 while True:
@@ -349,6 +365,15 @@ class Zygote:
             for fd in streams:
                 os.close(fd)
         return verdict, wall, exit_status, rusage, captures
+
+    def _lift_memory_limit(self) -> None:
+        """Between cells the zygote is alone in the memory cgroup: no limit, so it can never be
+        stuck at the limit with nothing to kill (what a dead cell left in tmpfs counts there)."""
+        if self.memory_cg is not None:
+            try:
+                isolation.set_memory_limit(self.memory_cg, -1, self.swap_accounting)
+            except OSError as exc:
+                log.error("could not lift the memory limit: %s", exc)
 
     def _kill_cell(self, pid: int) -> None:
         for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
@@ -380,11 +405,10 @@ class Zygote:
         """Runs in the forked cell; never returns."""
         try:
             os.setsid()
-            pid = str(os.getpid())
-            for cg in (self.memory_cg, self.pids_cg):
-                if cg is not None:
-                    with open(cg.procs_file(), "w") as f:
-                        f.write(pid)
+            if self.memory_cg is not None:  # the cell shares the zygote's memory cgroup: it is the OOM victim
+                fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+                os.write(fd, b"1000")
+                os.close(fd)
             os.dup2(stdin_fd, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
@@ -402,13 +426,10 @@ class Zygote:
                 os.setresgid(self.gid, self.gid, self.gid)
                 os.setresuid(self.uid, self.uid, self.uid)
             isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
-            os.environ.clear()
-            os.environ.update(CELL_ENV)
-            sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
-            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                          errors="backslashreplace")
-            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                          errors="backslashreplace", line_buffering=True)
+            if os.environ.keys() != CELL_ENV.keys():  # the zygote's is already exactly CELL_ENV
+                os.environ.clear()
+                os.environ.update(CELL_ENV)
+            sys.stdin, sys.stdout, sys.stderr = self._stdio
             sys.argv = ["<cell>"]
         except BaseException as exc:  # noqa: BLE001
             os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
@@ -492,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent:
         return 1
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    os.environ.pop("PYTHONPATH", None)  # only needed to start; cells get exactly CELL_ENV
     sock = socket.socket(fileno=args.fd)
     zygote = Zygote(uid=args.uid, limits=SandboxLimits.from_json(args.limits))
     try:

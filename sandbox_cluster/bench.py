@@ -1,0 +1,228 @@
+"""``sandbox-cluster bench``: the cluster against a fresh interpreter per call, on the same cores.
+
+Three ways to run a snippet, measured in one run:
+
+- ``fresh``: ``python -c SNIPPET`` per call (SandboxFusion's model; no isolation at all),
+- ``cluster``: a LocalCluster with full isolation, through the broker, client-side latency,
+- ``bare fork``: fork from a warm zygote, no isolation, no broker (the floor for a warm fork).
+
+Latencies (p50/p99) and throughput at concurrency 1 and 2 x cores, then the ratios and
+the targets: >= 40x for the sympy snippet (p50 and throughput), and the trivial
+snippet's p50 within 2x of a bare warm fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SNIPPETS = {
+    "trivial": "print('hello')",
+    "sympy": "import sympy, numpy\nx = sympy.Symbol('x')\nprint(sympy.solve(x**2 - 4), numpy.arange(1000).sum())",
+}
+EXPECTED_STDOUT = {"trivial": "hello\n", "sympy": "[-2, 2] 499500\n"}
+TARGET_SYMPY_SPEEDUP = 40.0
+TARGET_TRIVIAL_VS_BARE_FORK = 2.0
+_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    requests: int = 200  # cluster requests per (snippet, concurrency)
+    fresh_requests: int = 12  # fresh interpreters per (snippet, concurrency)
+    bare_fork_requests: int = 200
+    workers: int = 0  # cluster workers; 0: one per core
+    concurrency: list[int] = field(default_factory=list)  # default: [1, 2 x cores]
+
+    def __post_init__(self) -> None:
+        cores = os.cpu_count() or 1
+        if self.workers == 0:
+            self.workers = cores
+        if not self.concurrency:
+            self.concurrency = [1, 2 * cores]
+        if self.requests < 10 or self.fresh_requests < 2 or self.bare_fork_requests < 10:
+            raise ValueError("need requests >= 10, fresh_requests >= 2, bare_fork_requests >= 10")
+        if not 1 <= self.workers <= 256:
+            raise ValueError(f"workers={self.workers} outside [1, 256]")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError("concurrency levels must be >= 1")
+
+
+def _summary(latencies: list[float], wall: float) -> dict[str, float]:
+    arr = np.asarray(latencies) * 1000
+    return {"n": len(latencies), "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
+            "throughput_per_s": len(latencies) / wall}
+
+
+# --------------------------------------------------------------------------- the three ways
+
+
+def bench_fresh(snippet: str, n: int, concurrency: int) -> dict[str, float]:
+    env = dict(os.environ, **_THREAD_ENV)
+
+    def one(_: int) -> float:
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"fresh interpreter failed: {proc.stderr.decode()[-300:]}")
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        latencies = list(pool.map(one, range(n)))
+    return _summary(latencies, time.perf_counter() - start)
+
+
+def bench_cluster(address: str, snippet: str, expected: str, n: int, concurrency: int) -> dict[str, float]:
+    from .client import SandboxClient
+
+    async def go() -> tuple[list[float], float]:
+        with SandboxClient(address) as client:
+            for _ in range(4):  # warm every slot's first fork
+                await asyncio.gather(*(client.arun(snippet) for _ in range(concurrency)))
+            sem = asyncio.Semaphore(concurrency)
+            latencies: list[float] = []
+
+            async def one() -> None:
+                async with sem:
+                    t0 = time.perf_counter()
+                    res = await client.arun(snippet, timeout=30)
+                    latencies.append(time.perf_counter() - t0)
+                    if not res.ok or res.stdout != expected:
+                        raise RuntimeError(f"cluster run failed: {res}")
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(n)))
+            return latencies, time.perf_counter() - start
+
+    latencies, wall = asyncio.run(go())
+    return _summary(latencies, wall)
+
+
+def bench_bare_fork(snippet: str, n: int) -> dict[str, float]:
+    """Runs ``bare_fork_main`` in a fresh process (no ZeroMQ threads there) and reads its numbers."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from sandbox_cluster.bench import bare_fork_main; bare_fork_main()"],
+        input=json.dumps({"snippet": snippet, "n": n}).encode(), capture_output=True,
+        env=dict(os.environ, **_THREAD_ENV), check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"bare fork baseline failed: {proc.stderr.decode()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def bare_fork_main() -> None:
+    """A warm zygote without any isolation: fork, run the snippet with stdout on a pipe, read, reap."""
+    import gc
+
+    from .zygote import warm_up
+
+    args = json.loads(sys.stdin.read())
+    code = compile(args["snippet"], "<cell>", "exec")
+    warm_up()
+    gc.collect()
+    gc.freeze()
+    latencies = []
+    start_all = time.perf_counter()
+    for i in range(args["n"] + 5):
+        if i == 5:  # the first forks touch cold pages: warm-up, not measured
+            latencies.clear()
+            start_all = time.perf_counter()
+        t0 = time.perf_counter()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.dup2(w, 1)
+            sys.stdout = open(1, "w", closefd=False)
+            exec(code, {"__name__": "__main__"})
+            sys.stdout.flush()
+            os._exit(0)
+        os.close(w)
+        while os.read(r, 65536):
+            pass
+        os.close(r)
+        os.waitpid(pid, 0)
+        latencies.append(time.perf_counter() - t0)
+    sys.stdout.write(json.dumps(_summary(latencies, time.perf_counter() - start_all)))
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_bench(config: BenchConfig) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .cluster import LocalCluster
+
+    console = Console(stderr=True)
+    rows: dict[tuple[str, str, int], dict[str, float]] = {}
+    cores = os.cpu_count() or 1
+    console.print(f"[bold]sandbox-cluster bench[/] on {cores} cores; cluster: {config.workers} workers, "
+                  f"full isolation; concurrency {config.concurrency}")
+
+    with console.status("bare warm fork (trivial)"):
+        rows[("trivial", "bare fork", 1)] = bench_bare_fork(SNIPPETS["trivial"], config.bare_fork_requests)
+    with console.status("starting the cluster"):
+        cluster = LocalCluster(workers=config.workers)
+    with cluster:
+        missing = cluster.status().missing_protections
+        for name, snippet in SNIPPETS.items():
+            for c in config.concurrency:
+                with console.status(f"cluster: {name}, concurrency {c}"):
+                    rows[(name, "cluster", c)] = bench_cluster(cluster.address, snippet, EXPECTED_STDOUT[name],
+                                                               config.requests, c)
+    for name, snippet in SNIPPETS.items():
+        for c in config.concurrency:
+            with console.status(f"fresh python -c: {name}, concurrency {c}"):
+                rows[(name, "fresh python -c", c)] = bench_fresh(snippet, config.fresh_requests, c)
+
+    table = Table(title="sandbox execution: fresh interpreter vs warm isolated cluster")
+    for col in ("snippet", "mode", "conc.", "n", "p50 ms", "p99 ms", "req/s"):
+        table.add_column(col, justify="right" if col not in ("snippet", "mode") else "left")
+    for (name, mode, c), r in sorted(rows.items(), key=lambda kv: (kv[0][0] != "trivial", kv[0][2], kv[0][1])):
+        table.add_row(name, mode, str(c), str(r["n"]), f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['throughput_per_s']:.1f}")
+    console.print(table)
+
+    ratios = {}
+    for name in SNIPPETS:
+        for c in config.concurrency:
+            fresh, ours = rows[(name, "fresh python -c", c)], rows[(name, "cluster", c)]
+            ratios[f"{name} c={c} p50 speedup"] = fresh["p50_ms"] / ours["p50_ms"]
+            ratios[f"{name} c={c} throughput speedup"] = ours["throughput_per_s"] / fresh["throughput_per_s"]
+    ratios["trivial c=1 p50 cluster / bare fork"] = (rows[("trivial", "cluster", 1)]["p50_ms"]
+                                                     / rows[("trivial", "bare fork", 1)]["p50_ms"])
+    sympy_ok = all(v >= TARGET_SYMPY_SPEEDUP for k, v in ratios.items() if k.startswith("sympy"))
+    trivial_ok = ratios["trivial c=1 p50 cluster / bare fork"] <= TARGET_TRIVIAL_VS_BARE_FORK
+    ratio_table = Table(title="ratios")
+    ratio_table.add_column("ratio")
+    ratio_table.add_column("value", justify="right")
+    ratio_table.add_column("target", justify="right")
+    for k, v in ratios.items():
+        target = (f">= {TARGET_SYMPY_SPEEDUP:g}" if k.startswith("sympy")
+                  else f"<= {TARGET_TRIVIAL_VS_BARE_FORK:g}" if "bare fork" in k else "")
+        ratio_table.add_row(k, f"{v:.1f}x" if "speedup" in k else f"{v:.2f}", target)
+    console.print(ratio_table)
+    if missing:
+        console.print(f"[yellow]cluster ran WITHOUT: {missing}[/]")
+    verdict = "met" if sympy_ok and trivial_ok else "NOT met"
+    console.print(f"targets {verdict}: sympy speedup >= {TARGET_SYMPY_SPEEDUP:g}x ({'yes' if sympy_ok else 'no'}), "
+                  f"trivial p50 <= {TARGET_TRIVIAL_VS_BARE_FORK:g}x bare fork ({'yes' if trivial_ok else 'no'})")
+    return {
+        "cores": cores, "workers": config.workers, "concurrency": config.concurrency,
+        "rows": [{"snippet": k[0], "mode": k[1], "concurrency": k[2], **v} for k, v in rows.items()],
+        "ratios": ratios, "missing_protections": missing, "targets_met": sympy_ok and trivial_ok,
+    }
