@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -42,6 +43,7 @@ class BenchConfig:
     requests: int = 200  # cluster requests per (snippet, concurrency)
     fresh_requests: int = 12  # fresh interpreters per (snippet, concurrency)
     bare_fork_requests: int = 200
+    rounds: int = 4  # the modes alternate in this many blocks each
     workers: int = 0  # cluster workers; 0: one per core
     concurrency: list[int] = field(default_factory=list)  # default: [1, 2 x cores]
 
@@ -55,6 +57,8 @@ class BenchConfig:
             raise ValueError("need requests >= 10, fresh_requests >= 2, bare_fork_requests >= 10")
         if not 1 <= self.workers <= 256:
             raise ValueError(f"workers={self.workers} outside [1, 256]")
+        if not 1 <= self.rounds <= min(self.requests, self.fresh_requests):
+            raise ValueError(f"rounds={self.rounds} outside [1, min(requests, fresh_requests)]")
         if any(c < 1 for c in self.concurrency):
             raise ValueError("concurrency levels must be >= 1")
 
@@ -66,79 +70,100 @@ def _summary(latencies: list[float], wall: float) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- the three ways
+#
+# The machine may be shared, so the modes are measured in interleaved blocks (fresh, cluster,
+# bare fork, fresh, cluster, ...): each mode sees the same background load.
 
 
-def bench_fresh(snippet: str, n: int, concurrency: int) -> dict[str, float]:
+class _Series:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.busy = 0.0
+
+    def add(self, block: tuple[list[float], float]) -> None:
+        self.latencies += block[0]
+        self.busy += block[1]
+
+    def summary(self) -> dict[str, float]:
+        return _summary(self.latencies, self.busy)
+
+
+def fresh_block(snippet: str, n: int, concurrency: int) -> tuple[list[float], float]:
     env = dict(os.environ, **_THREAD_ENV)
 
     def one(_: int) -> float:
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, env=env, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"fresh interpreter failed: {proc.stderr.decode()[-300:]}")
-        return time.perf_counter() - start
+        return time.perf_counter() - t0
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         latencies = list(pool.map(one, range(n)))
-    return _summary(latencies, time.perf_counter() - start)
+    return latencies, time.perf_counter() - start
 
 
-def bench_cluster(address: str, snippet: str, expected: str, n: int, concurrency: int) -> dict[str, float]:
-    from .client import SandboxClient
-
+def cluster_block(client, snippet: str, expected: str, n: int, concurrency: int) -> tuple[list[float], float]:
     async def go() -> tuple[list[float], float]:
-        with SandboxClient(address) as client:
-            for _ in range(4):  # warm every slot's first fork
-                await asyncio.gather(*(client.arun(snippet) for _ in range(concurrency)))
-            sem = asyncio.Semaphore(concurrency)
-            latencies: list[float] = []
+        sem = asyncio.Semaphore(concurrency)
+        latencies: list[float] = []
 
-            async def one() -> None:
-                async with sem:
-                    t0 = time.perf_counter()
-                    res = await client.arun(snippet, timeout=30)
-                    latencies.append(time.perf_counter() - t0)
-                    if not res.ok or res.stdout != expected:
-                        raise RuntimeError(f"cluster run failed: {res}")
+        async def one() -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                res = await client.arun(snippet, timeout=30)
+                latencies.append(time.perf_counter() - t0)
+                if not res.ok or res.stdout != expected:
+                    raise RuntimeError(f"cluster run failed: {res}")
 
-            start = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(n)))
-            return latencies, time.perf_counter() - start
+        await asyncio.gather(*(client.arun(snippet) for _ in range(concurrency)))  # re-warm after a pause
+        start = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return latencies, time.perf_counter() - start
 
-    latencies, wall = asyncio.run(go())
-    return _summary(latencies, wall)
+    return asyncio.run(go())
 
 
-def bench_bare_fork(snippet: str, n: int) -> dict[str, float]:
-    """Runs ``bare_fork_main`` in a fresh process (no ZeroMQ threads there) and reads its numbers."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "from sandbox_cluster.bench import bare_fork_main; bare_fork_main()"],
-        input=json.dumps({"snippet": snippet, "n": n}).encode(), capture_output=True,
-        env=dict(os.environ, **_THREAD_ENV), check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"bare fork baseline failed: {proc.stderr.decode()[-500:]}")
-    return json.loads(proc.stdout)
+class BareForkServer:
+    """A warm zygote without any isolation, in its own process (no ZeroMQ threads there)."""
+
+    def __init__(self, snippet: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from sandbox_cluster.bench import bare_fork_main; bare_fork_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, **_THREAD_ENV), text=True,
+        )
+        self.proc.stdin.write(json.dumps({"snippet": snippet}) + "\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("bare fork baseline did not start")
+
+    def block(self, n: int) -> tuple[list[float], float]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("bare fork baseline died")
+        out = json.loads(line)
+        return out["latencies"], out["wall"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
 
 
 def bare_fork_main() -> None:
-    """A warm zygote without any isolation: fork, run the snippet with stdout on a pipe, read, reap."""
+    """Fork from a warm interpreter, run the snippet with stdout on a pipe, read it, reap. Nothing else."""
     import gc
 
     from .zygote import warm_up
 
-    args = json.loads(sys.stdin.read())
-    code = compile(args["snippet"], "<cell>", "exec")
+    code = compile(json.loads(sys.stdin.readline())["snippet"], "<cell>", "exec")
     warm_up()
     gc.collect()
     gc.freeze()
-    latencies = []
-    start_all = time.perf_counter()
-    for i in range(args["n"] + 5):
-        if i == 5:  # the first forks touch cold pages: warm-up, not measured
-            latencies.clear()
-            start_all = time.perf_counter()
+
+    def one() -> float:
         t0 = time.perf_counter()
         r, w = os.pipe()
         pid = os.fork()
@@ -154,8 +179,15 @@ def bare_fork_main() -> None:
             pass
         os.close(r)
         os.waitpid(pid, 0)
-        latencies.append(time.perf_counter() - t0)
-    sys.stdout.write(json.dumps(_summary(latencies, time.perf_counter() - start_all)))
+        return time.perf_counter() - t0
+
+    for _ in range(5):  # the first forks touch cold pages
+        one()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        start = time.perf_counter()
+        latencies = [one() for _ in range(int(line))]
+        print(json.dumps({"latencies": latencies, "wall": time.perf_counter() - start}), flush=True)
 
 
 # --------------------------------------------------------------------------- the run
@@ -165,6 +197,7 @@ def run_bench(config: BenchConfig) -> dict:
     from rich.console import Console
     from rich.table import Table
 
+    from .client import SandboxClient
     from .cluster import LocalCluster
 
     console = Console(stderr=True)
@@ -173,21 +206,29 @@ def run_bench(config: BenchConfig) -> dict:
     console.print(f"[bold]sandbox-cluster bench[/] on {cores} cores; cluster: {config.workers} workers, "
                   f"full isolation; concurrency {config.concurrency}")
 
-    with console.status("bare warm fork (trivial)"):
-        rows[("trivial", "bare fork", 1)] = bench_bare_fork(SNIPPETS["trivial"], config.bare_fork_requests)
-    with console.status("starting the cluster"):
+    with console.status("starting the cluster and the bare-fork baseline"):
         cluster = LocalCluster(workers=config.workers)
-    with cluster:
+        bare = BareForkServer(SNIPPETS["trivial"])
+    rounds = config.rounds
+    with cluster, SandboxClient(cluster.address) as client:
         missing = cluster.status().missing_protections
         for name, snippet in SNIPPETS.items():
             for c in config.concurrency:
-                with console.status(f"cluster: {name}, concurrency {c}"):
-                    rows[(name, "cluster", c)] = bench_cluster(cluster.address, snippet, EXPECTED_STDOUT[name],
-                                                               config.requests, c)
-    for name, snippet in SNIPPETS.items():
-        for c in config.concurrency:
-            with console.status(f"fresh python -c: {name}, concurrency {c}"):
-                rows[(name, "fresh python -c", c)] = bench_fresh(snippet, config.fresh_requests, c)
+                series = {mode: _Series() for mode in ("fresh python -c", "cluster")}
+                with_bare = name == "trivial" and c == 1
+                if with_bare:
+                    series["bare fork"] = _Series()
+                for r in range(rounds):
+                    with console.status(f"{name}, concurrency {c}: round {r + 1}/{rounds}"):
+                        series["cluster"].add(cluster_block(client, snippet, EXPECTED_STDOUT[name],
+                                                            math.ceil(config.requests / rounds), c))
+                        if with_bare:
+                            series["bare fork"].add(bare.block(math.ceil(config.bare_fork_requests / rounds)))
+                        series["fresh python -c"].add(
+                            fresh_block(snippet, max(c, math.ceil(config.fresh_requests / rounds)), c))
+                for mode, s in series.items():
+                    rows[(name, mode, c)] = s.summary()
+    bare.close()
 
     table = Table(title="sandbox execution: fresh interpreter vs warm isolated cluster")
     for col in ("snippet", "mode", "conc.", "n", "p50 ms", "p99 ms", "req/s"):

@@ -42,6 +42,7 @@ class WorkerConfig:
     heartbeat_liveness: int = 6  # broker silent this many intervals -> reconnect
     uid_base: int = 61000
     zygote_start_timeout_s: float = 120.0
+    stuck_grace_s: float = 15.0  # a zygote silent this long past a request's timeout is killed
 
     def __post_init__(self) -> None:
         if "://" not in self.connect:
@@ -50,6 +51,8 @@ class WorkerConfig:
             raise ValueError(f"slots={self.slots} outside [1, 256]")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 2:
             raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_liveness >= 2")
+        if self.stuck_grace_s <= 0:
+            raise ValueError(f"stuck_grace_s={self.stuck_grace_s} must be > 0")
         if not 1000 <= self.uid_base < 2**31 - 10000:
             raise ValueError(f"uid_base={self.uid_base} outside [1000, 2**31-10000)")
         if not self.name:
@@ -67,6 +70,7 @@ class ZygoteProcess:
         self.sock: socket.socket | None = None
         self.ready = False
         self.busy_id: str | None = None
+        self.busy_deadline = 0.0  # past this the zygote is stuck: it is killed and the request retried
         self.credit_owed = False  # died while busy: the broker gets this slot back when it is ready again
         self.protections: list[P.Protection] = []
 
@@ -219,6 +223,9 @@ class Worker:
                     self._on_zygote(slot)
             self._dispatch_pending(pending)
             now = time.monotonic()
+            for slot in self.slots:
+                if slot.busy_id is not None and now > slot.busy_deadline:
+                    self._zygote_died(slot, "no result long past the request's timeout (killed)")
             if now >= next_heartbeat:
                 self.socket.send_multipart([P.KIND_HEARTBEAT])
                 next_heartbeat = now + interval
@@ -257,6 +264,7 @@ class Worker:
                     P.ExecResult(id=P.salvage_id(payload), status=P.Status.SANDBOX_ERROR, message=str(exc)))])
                 continue
             slot.busy_id = req.id
+            slot.busy_deadline = time.monotonic() + req.timeout + self.config.stuck_grace_s
             try:
                 slot.send(payload)
             except OSError as exc:
