@@ -148,8 +148,19 @@ class BareForkServer:
         return out["latencies"], out["wall"]
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> BareForkServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def bare_fork_main() -> None:
@@ -193,24 +204,29 @@ def bare_fork_main() -> None:
 # --------------------------------------------------------------------------- the run
 
 
-def run_bench(config: BenchConfig) -> dict:
+def run_bench(config: BenchConfig, console=None) -> dict:
+    """Runs the benchmark, prints the tables on ``console`` (rich; default stdout), returns the report."""
     from rich.console import Console
     from rich.table import Table
 
     from .client import SandboxClient
     from .cluster import LocalCluster
 
-    console = Console(stderr=True)
+    console = console or Console()
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
     cores = os.cpu_count() or 1
     console.print(f"[bold]sandbox-cluster bench[/] on {cores} cores; cluster: {config.workers} workers, "
                   f"full isolation; concurrency {config.concurrency}")
 
     with console.status("starting the cluster and the bare-fork baseline"):
-        cluster = LocalCluster(workers=config.workers)
         bare = BareForkServer(SNIPPETS["trivial"])
+        try:
+            cluster = LocalCluster(workers=config.workers)
+        except BaseException:
+            bare.close()
+            raise
     rounds = config.rounds
-    with cluster, SandboxClient(cluster.address) as client:
+    with bare, cluster, SandboxClient(cluster.address) as client:
         missing = cluster.status().missing_protections
         for name, snippet in SNIPPETS.items():
             for c in config.concurrency:
@@ -228,7 +244,6 @@ def run_bench(config: BenchConfig) -> dict:
                             fresh_block(snippet, max(c, math.ceil(config.fresh_requests / rounds)), c))
                 for mode, s in series.items():
                     rows[(name, mode, c)] = s.summary()
-    bare.close()
 
     table = Table(title="sandbox execution: fresh interpreter vs warm isolated cluster")
     for col in ("snippet", "mode", "conc.", "n", "p50 ms", "p99 ms", "req/s"):

@@ -122,10 +122,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from .bench import BenchConfig, run_bench
 
-    config = BenchConfig(requests=args.requests, workers=args.workers, fresh_requests=args.fresh_requests)
-    report = run_bench(config)
+    config = BenchConfig(requests=args.requests, workers=args.workers, fresh_requests=args.fresh_requests,
+                         rounds=args.rounds)
+    report = run_bench(config, Console(stderr=args.json))  # with --json, stdout is only the JSON
     if args.json:
         print(json.dumps(report, indent=2))
     return 0 if report["targets_met"] else 1
@@ -201,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200, help="cluster requests per (snippet, concurrency)")
     p.add_argument("--fresh-requests", type=int, default=12, help="fresh-interpreter calls per (snippet, concurrency)")
     p.add_argument("--workers", type=int, default=0, help="cluster workers (default: number of cores)")
-    p.add_argument("--json", action="store_true", help="also print the report as JSON")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved blocks per mode (fair under background load)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (tables go to stderr)")
     p.set_defaults(func=cmd_bench)
     return parser
 

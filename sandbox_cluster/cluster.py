@@ -65,6 +65,8 @@ class LocalCluster:
         self._env = dict(os.environ, **(env or {}))
         self._log_level = log_level
         self._hb = (heartbeat_interval_s, heartbeat_liveness)
+        if address is not None:
+            worker_address = worker_address or derive_worker_endpoint(address)  # validates both
         self._tmpdir = tempfile.mkdtemp(prefix="sandbox-cluster-")
         address = address or f"ipc://{self._tmpdir}/client.sock"
         worker_address = worker_address or derive_worker_endpoint(address)
