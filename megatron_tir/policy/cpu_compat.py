@@ -49,6 +49,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _applied = False
+_originals: dict[tuple[str, str], object] = {}
 
 # Modules whose module-level ``torch`` is replaced by the CPU proxy.
 _CUDA_DEVICE_MODULES = (
@@ -174,6 +175,11 @@ def resolve(patch: Patch):
     return owner, name, getattr(owner, name)
 
 
+def original(patch: Patch):
+    """megatron-core's own object at a patch target (also after ``apply()``); AttributeError if it moved."""
+    return _originals.get((patch.module, patch.attribute)) or resolve(patch)[2]
+
+
 def _replacement(patch: Patch, current):
     if patch.attribute == "torch":
         return _CpuTorch()
@@ -198,6 +204,7 @@ def apply(force: bool = False) -> bool:
         return False
     for patch in PATCHES:
         owner, name, current = resolve(patch)  # AttributeError = the target moved
+        _originals[(patch.module, patch.attribute)] = current
         setattr(owner, name, _replacement(patch, current))
     # A tracker created before apply() would still be the CUDA one.
     random = importlib.import_module("megatron.core.tensor_parallel.random")

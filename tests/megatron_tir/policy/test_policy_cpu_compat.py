@@ -1,0 +1,107 @@
+"""The CPU redirections still hit their targets, and forward+backward at TP=2 matches transformers."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from megatron_tir.policy import cpu_compat
+
+
+@pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: f"{p.module}:{p.attribute}")
+def test_patch_target_exists_and_still_needs_patching(patch):
+    """Fails loudly when megatron-core moves or fixes a spot this module redirects."""
+    module = importlib.import_module(patch.module)
+    cpu_compat.resolve(patch)  # AttributeError if the target moved
+    original = cpu_compat.original(patch)
+    source = inspect.getsource(module if patch.attribute == "torch" else original)
+    assert patch.marker in source, f"{patch.module}.{patch.attribute} no longer contains {patch.marker!r}"
+
+
+def test_patch_checks_still_pass_after_apply():
+    cpu_compat.apply()
+    for patch in cpu_compat.PATCHES:
+        test_patch_target_exists_and_still_needs_patching(patch)
+
+
+def test_apply_is_idempotent_and_redirects():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import mappings, random
+
+    assert cpu_compat.apply() and cpu_compat.apply()
+    assert mappings.torch.cuda.current_device() == "cpu"
+    assert mappings.torch.Tensor is torch.Tensor  # everything else is the real torch
+    assert fused_softmax.get_default_causal_mask(3).tolist() == [[False, True, True], [False, False, True],
+                                                                  [False, False, False]]
+    tracker = random.CudaRNGStatesTracker()
+    tracker.add("x", 7)
+    before = torch.get_rng_state()
+    with tracker.fork("x"):
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(7)
+    assert torch.equal(a, torch.rand(3))
+
+
+def _grads_rank(rank, world, hf_dir, ids_path, out_dir):
+    from checkpoints_tools.convert import spec_from_hf_dir
+    from checkpoints_tools.keymap import plan, to_megatron
+    from checkpoints_tools.hf_io import HFReader
+    from megatron.core import parallel_state
+    from megatron_tir.policy.build import build_gpt_model, init_parallel
+
+    spec, _ = spec_from_hf_dir(hf_dir)
+    init_parallel(2, 1)
+    model = build_gpt_model(spec, parallel_output=False, perform_initialization=False)
+    # Load weights straight from HF: full tensors, then this rank's TP slice via the model's shapes.
+    reader, tp_rank = HFReader(hf_dir), parallel_state.get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    for p in plan(spec):
+        full = to_megatron(p, [reader.get(n) for n in p.hf], spec)
+        param = params[p.megatron]
+        dim = next((d for d in range(full.dim()) if full.shape[d] != param.shape[d]), None)
+        if p.transform == "gate_up" and dim is not None:  # each rank holds [gate_r; up_r]
+            gate, up = full.chunk(2)
+            full = torch.cat([gate.chunk(2)[tp_rank], up.chunk(2)[tp_rank]])
+        elif dim is not None:
+            full = full.chunk(2, dim=dim)[tp_rank]
+        param.data.copy_(full)
+    ids = torch.load(ids_path)
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0), attention_mask=None)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    torch.save({"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}},
+               f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_forward_backward_tp2_matches_transformers(make_tiny_hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_tools.launch import run_ranks
+
+    hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
+    ids = torch.tensor([[1, 17, 400, 3, 99, 12, 5, 7]])
+    torch.save(ids, tmp_path / "ids.pt")
+    run_ranks(_grads_rank, 2, str(hf_dir), str(tmp_path / "ids.pt"), str(tmp_path))
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    logits = ref(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-5)
+        # replicated over TP: the final norm; row-parallel: fc2 columns; vocab-parallel: embedding rows
+        torch.testing.assert_close(got["decoder.final_layernorm.weight"], ref_grads["model.norm.weight"].grad,
+                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got["decoder.layers.1.mlp.linear_fc2.weight"],
+                                   ref_grads["model.layers.1.mlp.down_proj.weight"].grad.chunk(2, dim=1)[rank],
+                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got["embedding.word_embeddings.weight"],
+                                   ref_grads["model.embed_tokens.weight"].grad.chunk(2, dim=0)[rank],
+                                   rtol=1e-4, atol=1e-6)
