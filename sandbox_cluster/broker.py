@@ -89,6 +89,7 @@ class _Worker:
     free: int
     last_seen: float
     protections: list[P.Protection]
+    uids: list[int]
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -235,7 +236,8 @@ class Broker:
         worker = self.workers.get(identity)
         if worker is None:
             worker = _Worker(identity=identity, name=hello.name, slots=hello.slots, free=0,
-                             last_seen=time.monotonic(), protections=list(hello.protections))
+                             last_seen=time.monotonic(), protections=list(hello.protections),
+                             uids=list(hello.uids))
             self.workers[identity] = worker
             missing = [p.name for p in hello.protections if not p.active]
             log.info("worker %s joined: %d slot(s), %d idle%s", hello.name, hello.slots, hello.free,
@@ -300,7 +302,7 @@ class Broker:
     def status(self) -> P.ClusterStatus:
         return P.ClusterStatus(
             workers=[P.WorkerInfo(name=w.name, slots=w.slots, free=w.free, in_flight=len(w.in_flight),
-                                  protections=w.protections) for w in self.workers.values()],
+                                  protections=w.protections, uids=w.uids) for w in self.workers.values()],
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),
             max_queue=self.config.max_queue,

@@ -129,6 +129,7 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     slots: int
     free: int
     protections: list[Protection] = msgspec.field(default_factory=list)
+    uids: list[int] = msgspec.field(default_factory=list)  # the per-slot users its cells run as
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -145,6 +146,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     free: int
     in_flight: int
     protections: list[Protection] = msgspec.field(default_factory=list)
+    uids: list[int] = msgspec.field(default_factory=list)
 
 
 class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):

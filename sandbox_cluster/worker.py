@@ -138,8 +138,11 @@ class Worker:
     def _announce(self, free: int) -> None:
         assert self.socket is not None
         hello = P.WorkerHello(name=self.config.name, slots=self.config.slots, free=free,
-                              protections=self.protections())
+                              protections=self.protections(), uids=self._uids())
         self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
+
+    def _uids(self) -> list[int]:
+        return [lease.uid for lease in self.leases]
 
     def protections(self) -> list[P.Protection]:
         """Per protection: active only if every ready slot has it."""
@@ -287,7 +290,7 @@ class Worker:
                 return
             slot.credit_owed = False
             self.socket.send_multipart([P.KIND_READY, P.encode_msg(P.WorkerHello(
-                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections()))])
+                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections(), uids=self._uids()))])
             return
         slot.busy_id = None
         self.socket.send_multipart([P.KIND_RESULT, frame])

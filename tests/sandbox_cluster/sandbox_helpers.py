@@ -10,19 +10,24 @@ from sandbox_cluster import SandboxClient, Status
 
 SECRET_NAME = "SANDBOX_TEST_SECRET"
 SECRET_VALUE = "s3cr3t-7f1d0c9a"
-CELL_UIDS = range(61000, 63000)  # UidLease.acquire's default range
 
 
-def cell_processes() -> list[psutil.Process]:
-    """Every live process owned by a sandbox slot uid."""
+def cell_processes(uids: set[int]) -> list[psutil.Process]:
+    """Every live process owned by one of these slot uids (other clusters on the host have their own)."""
     out = []
     for proc in psutil.process_iter(["uids", "status"]):
         try:
-            if proc.info["uids"].real in CELL_UIDS and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            if proc.info["uids"].real in uids and proc.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(proc)
         except (psutil.NoSuchProcess, TypeError, AttributeError):
             pass
     return out
+
+
+def slot_uids(client: SandboxClient) -> set[int]:
+    uids = {uid for worker in client.status().workers for uid in worker.uids}
+    assert uids, "the broker reports no slot uids"
+    return uids
 
 
 def assert_next_ok(client: SandboxClient) -> None:
@@ -34,4 +39,4 @@ def assert_next_ok(client: SandboxClient) -> None:
     for res in asyncio.run(two()):
         assert res.status is Status.OK, res
         assert res.stdout == "42\n"
-    assert cell_processes() == [], "a cell process outlived its request"
+    assert cell_processes(slot_uids(client)) == [], "a cell process outlived its request"

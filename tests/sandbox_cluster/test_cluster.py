@@ -59,6 +59,7 @@ def test_many_async_requests_in_flight_on_one_client(client):
 def test_status_reports_every_protection(cluster, client):
     status = client.status()
     assert len(status.workers) == 2
+    assert len({uid for w in status.workers for uid in w.uids}) == 2  # one unprivileged user per slot
     for worker in status.workers:
         names = {p.name for p in worker.protections}
         assert names == {"subreaper", "clean_environment", "uid_switch", "network_namespace", "private_tmpfs",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import subprocess
+import sys
 import threading
 import time
 
@@ -229,3 +231,34 @@ def test_burst_of_1000_while_workers_are_killed_gets_exactly_one_reply_each(kill
     assert all(v[0].stdout == f"{k}\n" for k, v in replies.items() if v[0].status is Status.OK)
     assert killable.status().retried >= 1
     killable.wait_workers()
+
+
+@pytest.mark.slow
+def test_worker_rejoins_a_restarted_broker(tmp_path):
+    config = BrokerConfig(bind=f"ipc://{tmp_path}/c.sock", heartbeat_interval_s=0.1, heartbeat_liveness=5)
+
+    def start_broker() -> tuple[Broker, threading.Thread]:
+        b = Broker(config)
+        t = threading.Thread(target=b.run, daemon=True)
+        t.start()
+        return b, t
+
+    broker, thread = start_broker()
+    worker = subprocess.Popen([sys.executable, "-m", "sandbox_cluster.cli", "--log-level", "WARNING", "worker",
+                               "--connect", config.worker_bind, "--heartbeat-interval", "0.1",
+                               "--heartbeat-liveness", "5"])
+    try:
+        with SandboxClient(config.bind) as client:
+            first = client.run("print('first')", timeout=60)  # waits in the queue while the zygote warms up
+            assert (first.status, first.stdout) == (Status.OK, "first\n")
+            broker.stop()
+            thread.join(5)
+            broker, thread = start_broker()  # same endpoints, no memory of the worker
+            again = client.run("print('again')", timeout=30)
+            assert (again.status, again.stdout) == (Status.OK, "again\n")
+            assert [w.name for w in client.status().workers] == [broker.status().workers[0].name]
+    finally:
+        worker.terminate()
+        assert worker.wait(10) == 0
+        broker.stop()
+        thread.join(5)

@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from sandbox_helpers import SECRET_NAME, SECRET_VALUE, assert_next_ok, cell_processes
+from sandbox_helpers import SECRET_NAME, SECRET_VALUE, assert_next_ok, cell_processes, slot_uids
 
 from sandbox_cluster import Status
 
@@ -251,5 +251,5 @@ def test_cells_do_not_outlive_a_crash_of_their_own(client):
     assert res.status is Status.ERROR
     assert res.exit_code == -11
     assert "SIGSEGV" in res.message
-    assert cell_processes() == []
+    assert cell_processes(slot_uids(client)) == []
     assert_next_ok(client)
