@@ -1,0 +1,141 @@
+"""Benchmark: HF -> Megatron -> HF conversion of SmolLM2-135M vs a raw safetensors read + write.
+
+Each side runs in its own subprocess (fresh interpreter) so peak RSS is its own:
+
+* ``raw``: ``safetensors.torch.load_file`` of the model, then ``save_file`` of the same tensors;
+* ``hf-to-megatron`` and ``megatron-to-hf``: ``checkpoints_tools.convert`` (what ``tir-ckpt`` runs).
+
+Reported per side: time of the operation itself (imports excluded), process wall time,
+peak RSS (``ru_maxrss`` of the process, and of any helper process it forked), and peak
+RSS above the RSS right after imports (the memory the operation itself needed). Ratios:
+conversion time vs raw read+write time (target <= 2x), peak RSS vs the model's bytes
+(target <= 1.5x).
+
+    python bench/bench_ckpt.py [--model smollm2|DIR] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench_ckpt")
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _phase(name: str, src: str, dst: str) -> dict:
+    """Runs inside the subprocess: import, record RSS, run one side, report."""
+    import torch  # noqa: F401  (both sides pay for torch)
+
+    if name == "raw":
+        from safetensors.torch import load_file, save_file
+
+        def op():
+            files = sorted(Path(src).glob("*.safetensors"))
+            os.makedirs(dst)
+            for f in files:
+                tensors = load_file(f)
+                save_file(tensors, Path(dst) / f.name, metadata={"format": "pt"})
+                del tensors
+    elif name == "hf-to-megatron":
+        from checkpoints_tools.convert import hf_to_megatron
+
+        def op():
+            hf_to_megatron(src, Path(dst))
+    elif name == "megatron-to-hf":
+        from checkpoints_tools.convert import megatron_to_hf
+
+        def op():
+            megatron_to_hf(Path(src), Path(dst))
+    else:
+        raise ValueError(f"unknown phase {name!r}")
+    rss_after_imports = _rss_bytes()
+    t0 = time.perf_counter()
+    op()
+    op_s = time.perf_counter() - t0
+    return {"op_s": op_s, "rss_after_imports": rss_after_imports,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+
+
+def _run_phase(name: str, src: Path, dst: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--phase", name, "--src", str(src), "--dst", str(dst)],
+                          capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"phase {name} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = wall
+    return result
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--src", help=argparse.SUPPRESS)
+    parser.add_argument("--dst", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        logging.basicConfig(level=logging.WARNING)
+        print(json.dumps(_phase(args.phase, args.src, args.dst)))
+        return 0
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from megatron_tir.models import resolve_model
+
+    hf_dir = resolve_model(args.model)
+    model_bytes = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir))
+    try:
+        raw = _run_phase("raw", hf_dir, work / "raw")
+        h2m = _run_phase("hf-to-megatron", hf_dir, work / "megatron")
+        m2h = _run_phase("megatron-to-hf", work / "megatron", work / "hf")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    conv_op = h2m["op_s"] + m2h["op_s"]
+    conv_wall = h2m["wall_s"] + m2h["wall_s"]
+    print(f"\nmodel: {hf_dir} ({_mb(model_bytes)} of safetensors), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}\n")
+    print("| side | op time | process wall | peak RSS | peak RSS x model | RSS after imports | peak - imports "
+          "| peak - imports x model | forked helper peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in (("raw read + write", raw), ("hf-to-megatron", h2m), ("megatron-to-hf", m2h)):
+        work_rss = r["peak_rss"] - r["rss_after_imports"]
+        print(f"| {name} | {r['op_s']:.2f} s | {r['wall_s']:.2f} s | {_mb(r['peak_rss'])} | "
+              f"{r['peak_rss'] / model_bytes:.2f} | {_mb(r['rss_after_imports'])} | {_mb(work_rss)} | "
+              f"{work_rss / model_bytes:.2f} | {_mb(r['children_peak_rss'])} |")
+    print(f"\nHF -> Megatron -> HF op time {conv_op:.2f} s vs raw read + write {raw['op_s']:.2f} s: "
+          f"{conv_op / raw['op_s']:.2f}x (target <= 2x); process wall {conv_wall:.2f} s vs {raw['wall_s']:.2f} s: "
+          f"{conv_wall / raw['wall_s']:.2f}x")
+    worst = max(h2m["peak_rss"], m2h["peak_rss"])
+    worst_work = max(h2m["peak_rss"] - h2m["rss_after_imports"], m2h["peak_rss"] - m2h["rss_after_imports"])
+    print(f"conversion peak RSS {_mb(worst)} = {worst / model_bytes:.2f}x model bytes "
+          f"({worst_work / model_bytes:.2f}x above the post-import RSS; target <= 1.5x); "
+          f"raw read + write peak {raw['peak_rss'] / model_bytes:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
