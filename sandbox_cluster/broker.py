@@ -90,6 +90,7 @@ class _Worker:
     last_seen: float
     protections: list[P.Protection]
     uids: list[int]
+    instance: str
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -234,10 +235,20 @@ class Broker:
 
     def _on_ready(self, identity: bytes, hello: P.WorkerHello) -> None:
         worker = self.workers.get(identity)
+        adopted: set[str] = set()
+        if worker is None and hello.instance:
+            # The same worker process reconnected: what it still runs moves over, the rest is retried.
+            for old in [w for w in self.workers.values() if w.instance == hello.instance]:
+                adopted |= old.in_flight & set(hello.running)
+                old.in_flight -= adopted
+                self._drop_worker(old, "reconnected under a new identity")
         if worker is None:
             worker = _Worker(identity=identity, name=hello.name, slots=hello.slots, free=0,
                              last_seen=time.monotonic(), protections=list(hello.protections),
-                             uids=list(hello.uids))
+                             uids=list(hello.uids), instance=hello.instance)
+            for key in adopted:
+                self.tasks[key].worker = identity
+            worker.in_flight |= adopted
             self.workers[identity] = worker
             missing = [p.name for p in hello.protections if not p.active]
             log.info("worker %s joined: %d slot(s), %d idle%s", hello.name, hello.slots, hello.free,
@@ -269,7 +280,8 @@ class Broker:
         self.queue.appendleft(task)
 
     def _drop_worker(self, worker: _Worker, why: str) -> None:
-        log.warning("worker %s %s; %d request(s) to retry", worker.name, why, len(worker.in_flight))
+        level = logging.INFO if why == "said goodbye" and not worker.in_flight else logging.WARNING
+        log.log(level, "worker %s %s; %d request(s) to retry", worker.name, why, len(worker.in_flight))
         del self.workers[worker.identity]
         for key in sorted(worker.in_flight):
             task = self.tasks.get(key)

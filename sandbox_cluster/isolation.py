@@ -129,6 +129,8 @@ class UidLease:
 
     @classmethod
     def acquire(cls, first: int = 61000, count: int = 2000) -> UidLease:
+        if os.geteuid() != 0:  # cannot switch users: every cell runs as the worker's own uid (reported)
+            return cls(os.geteuid(), -1)
         cls.LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         for uid in range(first, first + count):
             fd = os.open(cls.LOCK_DIR / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -235,13 +237,15 @@ def memory_oom_kills(cg: SlotCgroup) -> int:
 
 def set_memory_limit(cg: SlotCgroup, limit_bytes: int, with_swap: bool) -> None:
     """Set memory (and memory+swap when the host has swap accounting) to the same limit (-1: none)."""
-    keys = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if with_swap else [])
-    try:
-        for key in keys:
-            cg.write(key, limit_bytes)
-    except OSError:
-        for key in reversed(keys):  # memsw must stay >= limit: raise it first when growing
-            cg.write(key, limit_bytes)
+    if not with_swap:
+        cg.write("memory.limit_in_bytes", limit_bytes)
+        return
+    current = int(cg.read("memory.limit_in_bytes"))
+    lowering = limit_bytes != -1 and limit_bytes < current
+    # memory.memsw.limit_in_bytes must stay >= memory.limit_in_bytes at every step
+    keys = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+    for key in keys if lowering else reversed(keys):
+        cg.write(key, limit_bytes)
 
 
 def procs_of_uid(uid: int) -> list[int]:

@@ -130,6 +130,8 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     free: int
     protections: list[Protection] = msgspec.field(default_factory=list)
     uids: list[int] = msgspec.field(default_factory=list)  # the per-slot users its cells run as
+    instance: str = ""  # one per worker process: a reconnect replaces that process's old registration
+    running: list[str] = msgspec.field(default_factory=list)  # request ids its slots are running now
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -119,6 +119,7 @@ class Worker:
         self.leases: list[UidLease] = []
         self._stop = False
         self._last_broker_msg = 0.0
+        self.instance = uuid.uuid4().hex
 
     # ---- lifecycle
 
@@ -138,7 +139,8 @@ class Worker:
     def _announce(self, free: int) -> None:
         assert self.socket is not None
         hello = P.WorkerHello(name=self.config.name, slots=self.config.slots, free=free,
-                              protections=self.protections(), uids=self._uids())
+                              protections=self.protections(), uids=self._uids(), instance=self.instance,
+                              running=[s.busy_id for s in self.slots if s.busy_id is not None])
         self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
 
     def _uids(self) -> list[int]:
@@ -290,7 +292,8 @@ class Worker:
                 return
             slot.credit_owed = False
             self.socket.send_multipart([P.KIND_READY, P.encode_msg(P.WorkerHello(
-                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections(), uids=self._uids()))])
+                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections(), uids=self._uids(),
+                              instance=self.instance))])
             return
         slot.busy_id = None
         self.socket.send_multipart([P.KIND_RESULT, frame])

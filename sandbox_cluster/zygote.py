@@ -225,13 +225,26 @@ class Zygote:
         if self.memory_cg is not None:
             self.swap_accounting = (self.memory_cg.path / "memory.memsw.limit_in_bytes").exists()
             self._oom_kills = isolation.memory_oom_kills(self.memory_cg)
+
+        self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
+
+        def tree_kill() -> str:
+            if self.pids_cg is not None or self.memory_cg is not None:
+                return "every process in the slot cgroup"
+            if self.can_switch_uid:
+                return "every process of the slot uid"
+            raise RuntimeError("no cgroup and no own uid: only the cell's process group is killed")
+
+        self._protect("process_tree_kill", tree_kill)
+        # rlimits are always available (setrlimit needs no privilege to lower limits).
+        self.protections.append(Protection(name="rlimits", active=True, detail="cpu,as,fsize,nproc,nofile,core"))
+
+    def enter_cgroups(self) -> None:
+        """Move the (warmed-up) zygote into its slot cgroups, so cells are born there. Call this
+        after the warm-up: memory the zygote touched before stays charged outside the slot."""
         for cg in (self.memory_cg, self.pids_cg):
             if cg is not None:
                 cg.enter()
-
-        self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
-        # rlimits are always available (setrlimit needs no privilege to lower limits).
-        self.protections.append(Protection(name="rlimits", active=True, detail="cpu,as,fsize,nproc,nofile,core"))
 
     @staticmethod
     def _check_clean_env() -> str:
@@ -348,7 +361,7 @@ class Zygote:
                 self._kill_cell(pid)
             _, exit_status, rusage = os.wait4(pid, 0)
             wall = (exited_at or time.monotonic()) - start
-            self._kill_tree()
+            self._kill_tree(pid)
             self._lift_memory_limit()
             for fd, cap in streams.items():  # every writer is dead now: drain what is buffered
                 os.set_blocking(fd, False)
@@ -382,7 +395,7 @@ class Zygote:
             except ProcessLookupError:
                 pass
 
-    def _kill_tree(self) -> None:
+    def _kill_tree(self, pid: int) -> None:
         """Kill every process the cell left behind (setsid orphans included) and reap them."""
         cg = self.pids_cg or self.memory_cg
         if cg is not None:
@@ -399,6 +412,11 @@ class Zygote:
                     except ProcessLookupError:
                         pass
                 isolation.reap_zombies()
+        else:  # the weakest fallback (reported as process_tree_kill missing): the cell's own session
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         isolation.reap_zombies()
 
     def _child(self, req: ExecRequest, stdin_fd: int, out_w: int, err_w: int, as_limit: int, cpu_limit: int):
@@ -520,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         zygote.setup()
         warm_up()
         gc.collect()
+        zygote.enter_cgroups()
         gc.freeze()
         send_frame(sock, encode_msg(_ZygoteHello(protections=zygote.protections)))
         while True:

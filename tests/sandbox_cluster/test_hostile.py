@@ -253,3 +253,13 @@ def test_cells_do_not_outlive_a_crash_of_their_own(client):
     assert "SIGSEGV" in res.message
     assert cell_processes(slot_uids(client)) == []
     assert_next_ok(client)
+
+
+def test_tmpfs_files_count_against_the_memory_limit(client):
+    code = "".join(f"open('{d}/f', 'wb').write(b'x' * (50 << 20))\nprint('{d}', flush=True)\n"
+                   for d in ("/tmp", "/var/tmp", "/dev/shm"))
+    res = client.run(code, timeout=20, memory_mb=96)
+    assert res.status is Status.MEMORY, res
+    assert res.exit_code == -9  # the cgroup OOM killer, not a MemoryError
+    assert "/dev/shm" not in res.stdout
+    assert_next_ok(client)
