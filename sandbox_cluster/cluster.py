@@ -74,6 +74,9 @@ class LocalCluster:
         self._lock = threading.Lock()
         self.broker: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = [None] * workers
+        self._started_at = [0.0] * workers
+        self._fast_failures = [0] * workers  # consecutive exits soon after start: restart with backoff
+        self._restart_at = [0.0] * workers
         self.restarts = 0
         try:
             self._start_broker(address, worker_address, max_queue)
@@ -109,6 +112,7 @@ class LocalCluster:
 
     def _spawn_worker(self, index: int) -> subprocess.Popen:
         interval, liveness = self._hb
+        self._started_at[index] = time.monotonic()
         return subprocess.Popen(
             self._cli("worker", "--connect", self.worker_address, "--slots", str(self.slots_per_worker),
                       "--name", f"local-{index}", "--limits", self.limits.to_json(),
@@ -136,11 +140,19 @@ class LocalCluster:
     def _supervise(self) -> None:
         while not self._closing.wait(0.2):
             with self._lock:
+                now = time.monotonic()
                 for i, proc in enumerate(self.workers):
-                    if proc is None or proc.poll() is None or self._closing.is_set():
+                    if proc is None or proc.poll() is None or self._closing.is_set() or not self.restart_workers:
                         continue
-                    log.warning("worker %d exited with %s", i, proc.returncode)
-                    if self.restart_workers:
+                    if self._restart_at[i] == 0.0:  # just noticed the exit
+                        lived = now - self._started_at[i]
+                        self._fast_failures[i] = self._fast_failures[i] + 1 if lived < 30 else 0
+                        delay = 0.0 if self._fast_failures[i] <= 1 else min(30.0, 0.5 * 2 ** self._fast_failures[i])
+                        log.warning("worker %d exited with %s after %.1f s; restarting in %.1f s",
+                                    i, proc.returncode, lived, delay)
+                        self._restart_at[i] = now + delay
+                    if now >= self._restart_at[i]:
+                        self._restart_at[i] = 0.0
                         self.workers[i] = self._spawn_worker(i)
                         self.restarts += 1
 

@@ -176,7 +176,7 @@ class Zygote:
         self.can_switch_uid = os.geteuid() == 0
         self.tmpfs_dirs: list[str] = []
         self._oom_kills = 0
-        # Built before any fork, so a cell only rebinds nothing: fds 0/1/2 are dup2'ed underneath.
+        # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
             io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"),
             io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace"),
@@ -206,8 +206,12 @@ class Zygote:
             return f"uid={self.uid}"
 
         self._protect("uid_switch", uid_switch)
-        netns = self._protect("network_namespace", lambda: isolation.unshare(isolation.CLONE_NEWNET) or "empty netns")
-        del netns
+
+        def empty_netns() -> str:
+            isolation.unshare(isolation.CLONE_NEWNET)
+            return "own empty network namespace (loopback down)"
+
+        self._protect("network_namespace", empty_netns)
 
         def private_tmp() -> str:
             isolation.unshare(isolation.CLONE_NEWNS)
@@ -218,13 +222,20 @@ class Zygote:
         if self._protect("private_tmpfs", private_tmp) is None:
             os.makedirs(isolation.WORKDIR, exist_ok=True)
         name = f"uid-{self.uid}"
-        self.memory_cg = self._protect("cgroup_memory", lambda: isolation.SlotCgroup("memory", name))
-        self.pids_cg = self._protect("cgroup_pids", lambda: isolation.SlotCgroup("pids", name))
-        if self.pids_cg is not None:
-            self.pids_cg.write("pids.max", self.limits.max_processes + 1)  # + the zygote itself
-        if self.memory_cg is not None:
-            self.swap_accounting = (self.memory_cg.path / "memory.memsw.limit_in_bytes").exists()
-            self._oom_kills = isolation.memory_oom_kills(self.memory_cg)
+
+        def pids_cgroup() -> isolation.SlotCgroup:
+            cg = isolation.SlotCgroup("pids", name)
+            cg.write("pids.max", self.limits.max_processes + 1)  # + the zygote itself
+            return cg
+
+        def memory_cgroup() -> isolation.SlotCgroup:
+            cg = isolation.SlotCgroup("memory", name)
+            self.swap_accounting = (cg.path / "memory.memsw.limit_in_bytes").exists()
+            self._oom_kills = isolation.memory_oom_kills(cg)
+            return cg
+
+        self.memory_cg = self._protect("cgroup_memory", memory_cgroup)
+        self.pids_cg = self._protect("cgroup_pids", pids_cgroup)
 
         self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
 
@@ -281,7 +292,12 @@ class Zygote:
             os.lseek(stdin_fd, 0, os.SEEK_SET)
 
         start = time.monotonic()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, stdin_fd):
+                os.close(fd)
+            raise
         if pid == 0:  # ---------------------------------------------------- the cell
             self._child(req, stdin_fd, out_w, err_w, vm_size + mem_bytes, cpu_limit)
         os.close(out_w)
@@ -379,6 +395,11 @@ class Zygote:
                 os.close(fd)
         return verdict, wall, exit_status, rusage, captures
 
+    def recover(self) -> None:
+        """After an unexpected error mid-request: no process of the cell may survive it."""
+        self._kill_tree(-1)
+        self._lift_memory_limit()
+
     def _lift_memory_limit(self) -> None:
         """Between cells the zygote is alone in the memory cgroup: no limit, so it can never be
         stuck at the limit with nothing to kill (what a dead cell left in tmpfs counts there)."""
@@ -412,7 +433,7 @@ class Zygote:
                     except ProcessLookupError:
                         pass
                 isolation.reap_zombies()
-        else:  # the weakest fallback (reported as process_tree_kill missing): the cell's own session
+        elif pid > 0:  # the weakest fallback (reported as process_tree_kill missing): the cell's own session
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -550,7 +571,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 send_frame(sock, encode(ExecResult(id="", status=Status.SANDBOX_ERROR, message=str(exc))))
                 continue
-            send_frame(sock, encode(zygote.execute(req)))
+            try:
+                result = zygote.execute(req)
+            except Exception as exc:  # noqa: BLE001 - e.g. fork() refused: answer, clean up, keep serving
+                log.exception("request %s failed inside the zygote", req.id)
+                zygote.recover()
+                result = ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"zygote: {exc}")
+            send_frame(sock, encode(result))
     except (ConnectionError, BrokenPipeError):
         return 0
     finally:
