@@ -9,6 +9,7 @@ elsewhere). When the broker goes silent the worker reconnects with a fresh ident
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -212,7 +213,7 @@ class Worker:
     def _loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         next_heartbeat = time.monotonic()
-        pending: list[tuple[bytes, bytes]] = []  # requests that arrived while no slot was idle
+        pending: collections.deque[bytes] = collections.deque()  # requests that arrived while no slot was idle
         while not self._stop:
             poller = zmq.Poller()
             poller.register(self.socket, zmq.POLLIN)
@@ -239,7 +240,7 @@ class Worker:
                     pending.clear()
                     self._connect()
 
-    def _on_broker(self, pending: list[tuple[bytes, bytes]]) -> None:
+    def _on_broker(self, pending: collections.deque[bytes]) -> None:
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -248,7 +249,7 @@ class Worker:
             self._last_broker_msg = time.monotonic()
             kind = frames[0]
             if kind == P.KIND_EXEC and len(frames) == 2:
-                pending.append((frames[1], b""))
+                pending.append(frames[1])
             elif kind == P.KIND_RESET:
                 log.info("broker does not know us; announcing again")
                 pending.clear()  # the broker has requeued or forgotten them
@@ -256,12 +257,12 @@ class Worker:
             elif kind != P.KIND_HEARTBEAT:
                 log.warning("unexpected message from broker: %r", kind[:32])
 
-    def _dispatch_pending(self, pending: list[tuple[bytes, bytes]]) -> None:
+    def _dispatch_pending(self, pending: collections.deque[bytes]) -> None:
         while pending:
             slot = next((s for s in self.slots if s.ready and s.busy_id is None), None)
             if slot is None:
                 return
-            payload, _ = pending.pop(0)
+            payload = pending.popleft()
             try:
                 req = P.decode_request(payload)
             except ValueError as exc:  # the broker validated it; this is a bug, but answer anyway
@@ -291,9 +292,7 @@ class Worker:
             if not slot.credit_owed:
                 return
             slot.credit_owed = False
-            self.socket.send_multipart([P.KIND_READY, P.encode_msg(P.WorkerHello(
-                name=self.config.name, slots=self.config.slots, free=1, protections=self.protections(), uids=self._uids(),
-                              instance=self.instance))])
+            self._announce(1)  # a known worker's READY adds its slots to the idle count
             return
         slot.busy_id = None
         self.socket.send_multipart([P.KIND_RESULT, frame])
@@ -301,11 +300,13 @@ class Worker:
     def _zygote_died(self, slot: ZygoteProcess, reason: str) -> None:
         code = slot.proc.poll() if slot.proc is not None else None
         log.error("zygote %d died (%s, exit %s); restarting", slot.index, reason, code)
-        busy = slot.busy_id
+        busy, was_ready = slot.busy_id, slot.ready
         slot.stop()
         slot.credit_owed = busy is not None
         if busy is not None:
             self.socket.send_multipart([P.KIND_FAILED, P.encode_msg(P.SlotFailure(id=busy, reason=reason))])
+        if not was_ready:  # it died while warming up: something is wrong with this host, not with a cell
+            raise RuntimeError(f"zygote {slot.index} failed to start again ({reason}); worker exits")
         slot.start()
 
 

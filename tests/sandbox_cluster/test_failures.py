@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import zmq
 
@@ -233,6 +234,32 @@ def test_worker_killed_mid_request_is_retried_elsewhere(killable):
         assert res.status is Status.OK and res.stdout == "done\n"
         assert killable.status().retried == before + 1
     killable.wait_workers()
+
+
+@pytest.mark.slow
+def test_zygote_killed_mid_request_is_retried_and_replaced(killable):
+    killable.wait_workers()
+    with SandboxClient(killable.address) as client:
+        async def scenario():
+            task = asyncio.ensure_future(client.arun("import time; time.sleep(1.0); print('done')", timeout=10))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                busy = [w for w in killable.status().workers if w.in_flight]
+                if busy:
+                    break
+            worker_pid = killable.workers[int(busy[0].name.split("-")[1])].pid
+            (zygote,) = psutil.Process(worker_pid).children()
+            zygote.kill()  # as root, from outside: what no cell can do
+            return await task, worker_pid, zygote.pid
+
+        before = killable.status().retried
+        res, worker_pid, zygote_pid = asyncio.run(scenario())
+        assert res.status is Status.OK and res.stdout == "done\n"
+        assert killable.status().retried == before + 1
+        killable.wait_workers()  # the worker replaced its zygote and offered the slot again
+        assert psutil.pid_exists(worker_pid)
+        (new_zygote,) = psutil.Process(worker_pid).children()
+        assert new_zygote.pid != zygote_pid
 
 
 @pytest.mark.slow
