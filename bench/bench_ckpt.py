@@ -2,7 +2,8 @@
 
 Each side runs in its own subprocess (fresh interpreter) so peak RSS is its own:
 
-* ``raw``: ``safetensors.torch.load_file`` of the model, then ``save_file`` of the same tensors;
+* ``raw``: ``safetensors.torch.load_file`` of the model, then ``save_file`` of the same tensors
+  and an fsync (both conversion writers fsync: megatron-core's, and ours before the rename);
 * ``hf-to-megatron`` and ``megatron-to-hf``: ``checkpoints_tools.convert`` (what ``tir-ckpt`` runs).
 
 Reported per side: time of the operation itself (imports excluded), process wall time,
@@ -51,12 +52,20 @@ def _phase(name: str, src: str, dst: str) -> dict:
                 tensors = load_file(f)
                 save_file(tensors, Path(dst) / f.name, metadata={"format": "pt"})
                 del tensors
+                with open(Path(dst) / f.name, "rb+") as fh:
+                    os.fsync(fh.fileno())  # durable, like both conversion writers
     elif name == "hf-to-megatron":
+        import megatron.core.dist_checkpointing  # noqa: F401  (imports are not the operation)
+        import megatron.core.models.gpt  # noqa: F401
+
         from checkpoints_tools.convert import hf_to_megatron
 
         def op():
             hf_to_megatron(src, Path(dst))
     elif name == "megatron-to-hf":
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+
         from checkpoints_tools.convert import megatron_to_hf
 
         def op():

@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         warnings.filterwarnings("ignore")  # megatron-core warns about missing TE/apex on import
         logging.getLogger("checkpoints_tools").setLevel(logging.INFO)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return _run(args)

@@ -33,7 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def read_hf_config(hf_dir: Path) -> dict:
-    """config.json of an HF dir as a normalized dict; ValueError for unknown architectures."""
+    """config.json of an HF dir, verbatim; ValueError for unknown architectures.
+
+    Read as JSON (not through transformers' AutoConfig, whose import costs more than a
+    small model's conversion); ``ModelSpec.from_hf`` knows both the transformers 4
+    (``rope_theta``, ``torch_dtype``) and 5 (``rope_parameters``, ``dtype``) spellings.
+    """
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{hf_dir} has no config.json")
@@ -41,12 +46,12 @@ def read_hf_config(hf_dir: Path) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if raw.get("model_type") not in FAMILIES:
-        raise ValueError(f"unsupported architecture: model_type={raw.get('model_type')!r} "
-                         f"architectures={raw.get('architectures')} (supported: llama, qwen2)")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(hf_dir).to_dict()
+    if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        raise ValueError(f"unsupported architecture: model_type={model_type!r} "
+                         f"architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
+                         f"(supported: llama, qwen2)")
+    return raw
 
 
 def spec_from_hf_dir(hf_dir: Path) -> tuple[ModelSpec, dict]:

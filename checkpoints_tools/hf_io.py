@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +118,15 @@ class StreamingSafetensorsWriter:
             (self.out_dir / INDEX_NAME).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
-    def _open(self, fname: str) -> None:
+    def _close_file(self) -> None:
         if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # durable before the output dir is renamed into place
             self._file.close()
+            self._file = None
+
+    def _open(self, fname: str) -> None:
+        self._close_file()
         shard = dict(self._queue)[fname]
         self._file = open(self.out_dir / fname, "wb")
         self._file.write(_header_bytes(shard))
@@ -138,14 +145,15 @@ class StreamingSafetensorsWriter:
         self._pos += 1
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_file()
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self._file is not None:
+            self._file.close()
+            self._file = None
         self.close()
         if exc_type is None and self._pos != len(self._order):
             raise AssertionError(f"only {self._pos} of {len(self._order)} tensors were written")

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
 log = logging.getLogger(__name__)
 
 
-def _entry(rank: int, world_size: int, port: int, threads: int, fn, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, threads: int, quiet: bool, fn, args: tuple) -> None:
+    if quiet:  # megatron-core warns about missing TE/apex and deprecations on every rank
+        warnings.filterwarnings("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -41,7 +44,8 @@ def run_ranks(fn, world_size: int, *args) -> None:
         threads = min(threads, int(os.environ["OMP_NUM_THREADS"]))
     log.info("launching %d ranks (gloo, %d thread(s) each)", world_size, threads)
     try:
-        mp.start_processes(_entry, args=(world_size, free_port(), threads, fn, args), nprocs=world_size,
+        quiet = not logging.getLogger().isEnabledFor(logging.DEBUG)
+        mp.start_processes(_entry, args=(world_size, free_port(), threads, quiet, fn, args), nprocs=world_size,
                            join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]

@@ -41,6 +41,23 @@ def test_tiny_round_trip_is_bit_exact(family, tied, make_tiny_hf, convert_once, 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 
+def test_bf16_round_trip_keeps_dtype_and_bits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_tools.convert import hf_to_megatron
+    from megatron_tir.models import tiny_config
+
+    torch.manual_seed(1)
+    src = tmp_path / "bf16"
+    AutoModelForCausalLM.from_config(tiny_config("qwen2", tie_word_embeddings=False, vocab_size=512)).to(
+        torch.bfloat16).save_pretrained(src)
+    ckpt = hf_to_megatron(src, tmp_path / "ckpt")
+    assert read_meta(ckpt).spec.dtype == "bfloat16"
+    out = megatron_to_hf(ckpt, tmp_path / "hf")
+    _assert_same_tensors(src, out, tied=False)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_smollm2_round_trip_is_bit_exact(smollm2_dir, smollm2_ckpt, tmp_path):
     out = megatron_to_hf(smollm2_ckpt, tmp_path / "hf")
     _assert_same_tensors(smollm2_dir, out, tied=True)
