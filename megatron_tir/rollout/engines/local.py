@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
+from megatron_tir.rollout.engines.eos import DEFAULT_EXTRA_EOS_TOKENS, resolve_eos_token_ids
 from megatron_tir.rollout.engines.sampling import sample_tokens
 from megatron_tir.rollout.engines.stop import StopStringMatcher
 
@@ -67,7 +68,7 @@ class LocalEngineConfig:
     torch_threads: int | None = None  # torch.set_num_threads (process-wide); None: leave as is
     seed: int = 0  # seeds the per-request generators of requests without SamplingParams.seed
     eos_token_ids: tuple[int, ...] | None = None  # None: generation_config + config + tokenizer + extra_eos_tokens
-    extra_eos_tokens: tuple[str, ...] = ("<|endoftext|>",)  # also end a sequence, when in the vocabulary
+    extra_eos_tokens: tuple[str, ...] = DEFAULT_EXTRA_EOS_TOKENS  # also end a sequence, when in the vocabulary
     attn_implementation: str = "sdpa"  # sdpa | eager
 
     def __post_init__(self) -> None:
@@ -288,19 +289,14 @@ class LocalEngine:
 
     def _resolve_eos(self) -> tuple[int, ...]:
         if self.config.eos_token_ids is not None:
-            ids = [int(t) for t in self.config.eos_token_ids]
+            ids = tuple(dict.fromkeys(int(t) for t in self.config.eos_token_ids))
         else:
-            ids = []
-            for source in (getattr(self.model.generation_config, "eos_token_id", None),
-                           getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id):
-                ids.extend([] if source is None else [source] if isinstance(source, int) else list(source))
-            vocab = self.tokenizer.get_vocab()
-            ids.extend(vocab[tok] for tok in self.config.extra_eos_tokens if tok in vocab)
+            ids = resolve_eos_token_ids(self.model_dir, self.config.extra_eos_tokens, tokenizer=self.tokenizer)
         if not ids:
-            raise ValueError(f"no EOS token id found for {self.model_dir}; set LocalEngineConfig.eos_token_ids")
+            raise ValueError("eos_token_ids is empty")
         if any(t >= self.vocab_size for t in ids):
             raise ValueError(f"EOS ids {ids} outside the vocabulary of size {self.vocab_size}")
-        return tuple(dict.fromkeys(ids))
+        return ids
 
     # ------------------------------------------------------------------ scheduler (event loop)
 

@@ -1,0 +1,169 @@
+"""Launch and stop SGLang server processes (``python -m sglang.launch_server ...``).
+
+Flag names follow SGLang 0.5.x ``ServerArgs`` (``sglang/srt/arg_groups/fields``): the
+CLI name of a field is ``--`` + its name in kebab case (``tp_size`` -> ``--tp-size``).
+The tests check every flag built here against the installed SGLang's declared fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangServerConfig:
+    """One SGLang server: model, placement, memory; ``argv()`` is its command line."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    base_gpu_id: int = 0  # first GPU of this server on its node
+    mem_fraction_static: float | None = 0.8  # weights + KV cache share of GPU memory
+    dtype: str = "auto"
+    context_length: int | None = None
+    random_seed: int | None = None
+    enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
+    skip_server_warmup: bool = False
+    log_level: str = "info"
+    extra_args: tuple[str, ...] = ()  # passed through verbatim
+    launcher: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
+    log_file: str | None = None  # server stdout+stderr; None: inherit
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if not self.launcher:
+            raise ValueError("launcher is empty")
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = [*self.launcher, "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port),
+                "--tp-size", str(self.tp_size), "--base-gpu-id", str(self.base_gpu_id), "--dtype", self.dtype,
+                "--log-level", self.log_level]
+        if self.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.context_length is not None:
+            args += ["--context-length", str(self.context_length)]
+        if self.random_seed is not None:
+            args += ["--random-seed", str(self.random_seed)]
+        if self.enable_memory_saver:
+            args.append("--enable-memory-saver")
+        if self.skip_server_warmup:
+            args.append("--skip-server-warmup")
+        return args + list(self.extra_args)
+
+
+class SGLangServer:
+    """A server process: ``start()``, ``wait_healthy()``, ``stop()`` (also a context manager)."""
+
+    def __init__(self, config: SGLangServerConfig) -> None:
+        self.config = config
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self) -> SGLangServer:
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"SGLang server on port {self.config.port} is already running")
+        argv = self.config.argv()
+        log.info("starting SGLang: %s", " ".join(argv))
+        out = None
+        if self.config.log_file:
+            Path(self.config.log_file).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.config.log_file, "ab")  # noqa: SIM115 - closed in stop()
+            out = self._log
+        # Own session: stop() signals the server and every worker process it spawned.
+        self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> None:
+        """Poll ``GET /health`` until 200; RuntimeError if the process exits or time runs out."""
+        if self.process is None:
+            raise RuntimeError("start() the server first")
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"SGLang server exited with code {code} before it was healthy{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=poll_s * 5) as response:
+                    if response.status == 200:
+                        log.info("SGLang server %s is healthy", self.url)
+                        return
+                    last = f"/health answered {response.status}"
+            except urllib.error.HTTPError as exc:
+                last = f"/health answered {exc.code}"
+            except (urllib.error.URLError, OSError) as exc:
+                last = repr(exc)
+            time.sleep(poll_s)
+        raise RuntimeError(f"SGLang server {self.url} not healthy after {timeout_s:.0f}s ({last}){self._log_tail()}")
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the server's process group, SIGKILL after ``grace_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("SGLang server %s ignored SIGTERM for %.0fs; killing it", self.url, grace_s)
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.process.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _log_tail(self, lines: int = 20) -> str:
+        if not self.config.log_file or not Path(self.config.log_file).is_file():
+            return ""
+        tail = Path(self.config.log_file).read_text(errors="replace").splitlines()[-lines:]
+        return "; log tail:\n" + "\n".join(tail)
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
