@@ -27,7 +27,8 @@ silently; ``require_full_isolation=True`` refuses to start instead):
   process_vm_*, mount, unshare/setns/namespace clones, bpf, perf, keyctl, io_uring, module
   and reboot calls; the cell is killed if its zygote dies (PDEATHSIG);
 - secrets in the environment: zygotes are exec'd with a minimal environment, so neither
-  ``os.environ``, the zygote's memory nor ``/proc/*/environ`` hold the worker's variables;
+  ``os.environ``, the zygote's memory (which every cell inherits) nor ``/proc/*/environ``
+  hold the worker's variables;
 - inherited file descriptors: everything but stdin/stdout/stderr is closed;
 - resources: wall-clock timeout (``timeout``), RLIMIT_CPU, memory (cgroup memory limit +
   RLIMIT_AS above the zygote's own size: ``memory``), processes (pids cgroup + RLIMIT_NPROC:
@@ -38,7 +39,10 @@ silently; ``require_full_isolation=True`` refuses to start instead):
 - output: head and tail of stdout/stderr are kept (``*_truncated`` flags); past a hard cap
   the cell is killed (``output_limit``);
 - leftovers: after each request every process of the cell's tree is killed through the
-  slot's cgroup (or, without cgroups, by its uid), including ``setsid`` orphans.
+  slot's cgroup (or, without cgroups, by its uid), including ``setsid`` orphans; the zygote
+  is a child subreaper and reaps them;
+- the infrastructure: a request whose worker or zygote dies is retried once on another slot,
+  then answered ``sandbox_error``; a zygote that stops answering is killed by its worker.
 
 Not protected:
 
@@ -50,7 +54,14 @@ Not protected:
 - state left in the world-writable places outside /tmp, /var/tmp and /dev/shm (if any);
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
 - cells of one slot run one after another under the same uid; nothing survives a
-  request, but a cell can observe that the previous one ran (timing, cgroup counters).
+  request, but a cell can observe that the previous one ran (timing, cgroup counters);
+- the zygote shares its slot's memory cgroup with the cell (cells are born there: a v1
+  cgroup migration per cell costs milliseconds). Cells get ``oom_score_adj=1000`` so the
+  OOM killer takes them first, but a cell can lower that back to 0 and, by unmapping its
+  inherited memory while filling tmpfs, make the zygote the victim: that request is then
+  retried once and answered ``sandbox_error``, and the zygote is restarted (a bounded DoS);
+- the interpreter and libraries of the host are whatever the worker runs; the cell can
+  import any installed module (including ctypes) within the limits above.
 """
 
 from .client import ClientConfig, SandboxClient

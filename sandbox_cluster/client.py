@@ -166,7 +166,7 @@ class SandboxClient:
             await state.socket.send_multipart([P.KIND_EXEC, payload])
             try:
                 result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 state.pending.pop(rid, None)
                 return self._deadline_result(rid, time.monotonic() - start)
             if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded

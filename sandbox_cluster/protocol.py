@@ -7,6 +7,7 @@ Messages are msgspec Structs encoded with msgpack. A client sends an
 from __future__ import annotations
 
 import enum
+
 import msgspec
 
 PROTOCOL_VERSION = 1

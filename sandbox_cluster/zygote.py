@@ -103,8 +103,8 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
 
 def warm_up() -> None:
     """Import and actually call what cells use, so no child pays a lazy import or a cold cache."""
-    import collections, decimal, fractions, functools, heapq, itertools, json, random, re, statistics  # noqa: F401,E401
-    import linecache, traceback  # noqa: F401,E401
+    import collections  # noqa: F401,E401
+    import linecache  # noqa: F401,E401
 
     import numpy as np
     import sympy
@@ -325,7 +325,8 @@ class Zygote:
         elif exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_time >= cpu_limit - 0.1:
             status, message = Status.TIMEOUT, f"CPU time limit {cpu_limit} s exceeded"
         elif exit_code == EXIT_SETUP:
-            status, message = Status.SANDBOX_ERROR, stderr.strip().splitlines()[-1] if stderr.strip() else "setup failed"
+            status = Status.SANDBOX_ERROR
+            message = stderr.strip().splitlines()[-1] if stderr.strip() else "setup failed"
         elif exit_code == 0:
             status = Status.OK
         else:
@@ -491,7 +492,6 @@ class Zygote:
 
 def _run_cell(code: str) -> int:
     import linecache
-    import traceback
 
     linecache.cache["<cell>"] = (len(code), None, code.splitlines(True), "<cell>")
     exit_code = 0

@@ -27,7 +27,7 @@ def test_exception_is_an_error_with_the_cell_traceback(client):
     res = client.run("print('partial')\n1 / 0\n")
     assert res.status is Status.ERROR and res.exit_code == 1
     assert res.stdout == "partial\n"
-    assert res.stderr.startswith("Traceback (most recent call last):\n  File \"<cell>\", line 2, in <module>\n    1 / 0")
+    assert res.stderr.startswith('Traceback (most recent call last):\n  File "<cell>", line 2, in <module>\n    1 / 0')
     assert res.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
     assert "zygote" not in res.stderr  # the sandbox's own frames are not shown
 
@@ -66,7 +66,8 @@ def test_status_reports_every_protection(cluster, client):
                          "cgroup_memory", "cgroup_pids", "seccomp", "rlimits", "process_tree_kill"}
         missing = [p for p in worker.protections if not p.active]
         assert all(p.detail for p in missing)  # a missing protection always says why
-    assert set(status.missing_protections) == {w.name for w in status.workers if any(not p.active for p in w.protections)}
+    assert set(status.missing_protections) == {
+        w.name for w in status.workers if any(not p.active for p in w.protections)}
 
 
 # --------------------------------------------------------------------------- malformed messages on the wire

@@ -23,7 +23,8 @@ def test_fork_bomb_is_contained_and_cleaned_up(client):
 def test_fork_limit_is_enforced(client):
     code = (
         "import os, time\nkids = 0\n"
-        "try:\n    for _ in range(500):\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)\n"
+        "try:\n    for _ in range(500):\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n"
         "        kids += 1\nexcept OSError as exc:\n    print('refused after', kids, type(exc).__name__)\n"
     )
     res = client.run(code, timeout=10)
