@@ -186,6 +186,7 @@ class FakeSGLangServer:
         self.healthy = True
         self.memory_released: set[str] = set()
         self.update_group = None
+        self.weight_version: str | None = None
         self.runner: web.AppRunner | None = None
         self.url = ""
         app = web.Application(client_max_size=1 << 30)
@@ -232,6 +233,11 @@ class FakeSGLangServer:
         if isinstance(answer, tuple):  # (status, raw JSON): deliberate failures in tests
             status, raw = answer
             return web.json_response(raw, status=status)
+        if self.weight_version is not None and answer.meta_info is not None:  # as set by the last weight update
+            import msgspec
+
+            answer = msgspec.structs.replace(
+                answer, meta_info=msgspec.structs.replace(answer.meta_info, weight_version=self.weight_version))
         return web.json_response(answer.to_json_value())
 
     async def _control(self, request: web.Request) -> web.Response:
@@ -298,6 +304,8 @@ class FakeSGLangServer:
             await self.engine.update_weights(received)
         except ValueError as exc:
             return web.json_response({"success": False, "message": str(exc)}, status=400)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
 

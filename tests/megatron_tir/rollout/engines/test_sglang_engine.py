@@ -361,10 +361,12 @@ def test_pause_abort_returns_partial_generations_and_resume_continues(make_engin
 
 def test_cancelled_generate_aborts_on_the_server():
     async def main():
-        async def never(req, body):
-            await asyncio.sleep(30)
+        async def until_aborted(req, body):  # like SGLang: runs until /abort_request names its rid
+            while ("/abort_request", {"rid": req.rid}) not in server.requests:
+                await asyncio.sleep(0.01)
+            return canned_response(req, ids=(), finish=api_types().FinishAbort(message="Aborted"))
 
-        server = FakeSGLangServer(never)
+        server = FakeSGLangServer(until_aborted)
         async with client([await server.start()]) as engine:
             task = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=3)))
             await asyncio.sleep(0.2)
