@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -54,9 +55,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
 
-    limits = msgspec.json.decode(args.limits) if args.limits else {}
-    if not isinstance(limits, dict):
-        raise ValueError("--limits must be a JSON object")
+    limits = dataclasses.asdict(_limits(args.limits))  # validated here, at the edge
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

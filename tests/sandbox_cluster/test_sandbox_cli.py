@@ -101,6 +101,8 @@ def test_status_lists_workers(cluster):
         (["serve", "--bind", "localhost:5555"], "must start with tcp:// or ipc://"),
         (["worker", "--connect", "tcp://127.0.0.1:1", "--limits", '{"max_procs": 3}'], "unknown limit(s): max_procs"),
         (["worker", "--connect", "tcp://127.0.0.1:1", "--slots", "0"], "slots=0 outside"),
+        (["serve", "--bind", "tcp://127.0.0.1:1", "--limits", "{not json"], "limits are not JSON"),
+        (["serve", "--bind", "tcp://127.0.0.1:1", "--limits", '{"tmpfs_mb": 0}'], "tmpfs_mb=0 outside"),
         (["run", "-", "--connect", "ipc:///nonexistent", "--timeout", "0"], "timeout 0.0 outside"),
         (["bench", "--requests", "1"], "need requests >= 10"),
         (["status", "--connect", "ipc:///nonexistent/x.sock", "--timeout", "0.3"], "did not answer STATUS"),

@@ -139,7 +139,11 @@ def test_late_reply_to_an_abandoned_call_is_not_mistaken_for_the_next(client):
 
     blocker = threading.Thread(target=lambda: asyncio.run(occupy_both_slots()))
     blocker.start()
-    time.sleep(0.2)
+    for _ in range(200):
+        if client.status().in_flight == 2:
+            break
+        time.sleep(0.01)
+    assert client.status().in_flight == 2
     short = SandboxClient(client.address, ClientConfig(deadline_slack_s=0.05))
     try:
         first = short.run("print('abandoned')", timeout=0.3)
