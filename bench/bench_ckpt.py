@@ -91,6 +91,7 @@ def _run_phase(name: str, src: Path, dst: Path) -> dict:
         raise SystemExit(f"phase {name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["wall_s"] = wall
+    result["notes"] = [ln for ln in proc.stderr.splitlines() if "dist_checkpointing.save took" in ln]
     return result
 
 
@@ -107,7 +108,8 @@ def main() -> int:
     parser.add_argument("--dst", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
-        logging.basicConfig(level=logging.WARNING)
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        logging.getLogger("checkpoints_tools").setLevel(logging.INFO)
         print(json.dumps(_phase(args.phase, args.src, args.dst)))
         return 0
 
@@ -138,6 +140,8 @@ def main() -> int:
     print(f"\nHF -> Megatron -> HF op time {conv_op:.2f} s vs raw read + write {raw['op_s']:.2f} s: "
           f"{conv_op / raw['op_s']:.2f}x (target <= 2x); process wall {conv_wall:.2f} s vs {raw['wall_s']:.2f} s: "
           f"{conv_wall / raw['wall_s']:.2f}x")
+    for note in h2m["notes"]:
+        print(f"hf-to-megatron breakdown: {note}")
     worst = max(h2m["peak_rss"], m2h["peak_rss"])
     worst_work = max(h2m["peak_rss"] - h2m["rss_after_imports"], m2h["peak_rss"] - m2h["rss_after_imports"])
     print(f"conversion peak RSS {_mb(worst)} = {worst / model_bytes:.2f}x model bytes "

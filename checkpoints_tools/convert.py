@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -119,15 +120,18 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
     dtype = _check_hf_tensors(reader, spec, plans)
     spec = dataclasses.replace(spec, dtype=str(dtype).removeprefix("torch."))
     with atomic_output_dir(out) as tmp:
+        t0 = time.perf_counter()
         sharded = _model_templates(spec)
         for p in plans:
             tensor = keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec)
             template = sharded[MODEL_PREFIX + p.megatron]
             assert tuple(template.data.shape) == tuple(tensor.shape), (p.megatron, template.data.shape, tensor.shape)
             template.data = tensor
-        log.info("saving %d tensors to %s", len(plans), out)
+        t1 = time.perf_counter()
         dist_checkpointing.save(sharded, str(tmp))
         del sharded
+        log.info("read + converted %d tensors in %.2f s; dist_checkpointing.save took %.2f s",
+                 len(plans), t1 - t0, time.perf_counter() - t1)
         copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
         write_meta(tmp, CheckpointMeta(model_spec=spec.to_dict(), hf_config=config, tp=tp, pp=pp,
                                        source=str(hf_dir)))
