@@ -1,0 +1,91 @@
+"""Metric definitions against hand-computed cases."""
+
+import math
+
+import pytest
+
+from megatron_tir.eval import compute_metrics, pass_at_k
+from megatron_tir.rollout import FinishStatus, Group, ToolCall, Trajectory, Turn
+from megatron_tir.rollout.engines.base import FinishReason
+from megatron_tir.tir import TurnKind
+
+
+def test_pass_at_k_unbiased_estimator_by_hand():
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    # n=5, c=2, k=3: 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert pass_at_k(3, 0, 2) == 0.0
+    assert pass_at_k(3, 2, 2) == 1.0  # n - c < k: every draw of 2 holds a correct one
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # pass@1 = c / n
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def T(kind, tool_status=None):
+    tool = None if tool_status is None else ToolCall(status=tool_status)
+    return Turn(index=0, kind=kind, reason="", finish_reason=FinishReason.STOP, start=0, model_tokens=1,
+                code="x" if kind is TurnKind.CODE else None, tool=tool)
+
+
+def traj(g, s, reward, status, turns, model=10, feedback=0):
+    t = Trajectory(group_id=g, sample_index=s, prompt_ids=[1], status=status, reward=reward, turns=turns)
+    t.append_model_tokens([5] * model, [-0.1] * model)
+    t.append_feedback_tokens([6] * feedback)
+    return t
+
+
+def test_metrics_by_hand():
+    C, A, V = TurnKind.CODE, TurnKind.ANSWER, TurnKind.VOID
+    g0 = Group(group_id=0, problem=None, trajectories=[
+        # code (ok) then answer, correct
+        traj(0, 0, 1.0, FinishStatus.COMPLETED, [T(C, "ok"), T(A)], model=20, feedback=4),
+        # answer only, wrong
+        traj(0, 1, 0.0, FinishStatus.COMPLETED, [T(A)], model=10),
+    ])
+    g1 = Group(group_id=1, problem=None, trajectories=[
+        # code (error), then void
+        traj(1, 0, 0.0, FinishStatus.VOID, [T(C, "error"), T(V)], model=30, feedback=6),
+        # answer only, correct
+        traj(1, 1, 1.0, FinishStatus.COMPLETED, [T(A)], model=8),
+    ])
+    m = compute_metrics([g0, g1], k=2)
+    assert m.avg_at_k == pytest.approx(0.5)  # (1/2 + 1/2) / 2
+    assert m.pass_at_k == pytest.approx(1.0)  # each problem has a correct sample
+    assert m.void_ratio == pytest.approx(1 / 4)
+    assert m.void_turn_ratio == pytest.approx(1 / 6)  # 6 turns, 1 void
+    assert m.code_use_ratio == pytest.approx(2 / 4)
+    assert m.valid_code_ratio == pytest.approx(1 / 2)  # ok, error
+    assert m.mean_turns == pytest.approx(6 / 4)
+    assert m.mean_code_calls == pytest.approx(2 / 4)
+    assert m.correct_with_code == pytest.approx(1 / 2)  # of 2 correct, one used code
+    assert m.finish_ratio == pytest.approx(3 / 4)
+    assert m.mean_response_tokens == pytest.approx((24 + 10 + 36 + 8) / 4)
+    assert m.mean_model_tokens == pytest.approx((20 + 10 + 30 + 8) / 4)
+    assert m.status_counts == {"completed": 3, "void": 1}
+    # k=1: avg@1 uses the first sample of each problem; pass@1 = c/n averaged
+    m1 = compute_metrics([g0, g1], k=1)
+    assert m1.avg_at_k == pytest.approx((1.0 + 0.0) / 2)
+    assert m1.pass_at_k == pytest.approx((1 / 2 + 1 / 2) / 2)
+    assert any(line.startswith("avg@1: 50.0%") for line in m1.lines())
+
+
+def test_nothing_correct_gives_nan_share():
+    g = Group(group_id=0, problem=None, trajectories=[traj(0, 0, 0.0, FinishStatus.VOID, [T(TurnKind.VOID)])])
+    m = compute_metrics([g], k=1)
+    assert math.isnan(m.correct_with_code) and math.isnan(m.valid_code_ratio)
+    assert "correct answers that used code: n/a" in m.lines()
+
+
+def test_metric_errors():
+    g = Group(group_id=0, problem=None, trajectories=[traj(0, 0, 1.0, FinishStatus.COMPLETED, [T(TurnKind.ANSWER)])])
+    with pytest.raises(ValueError, match="fewer than k=2"):
+        compute_metrics([g], k=2)
+    with pytest.raises(ValueError, match="no groups"):
+        compute_metrics([], k=1)
+    unscored = Group(group_id=0, problem=None,
+                     trajectories=[traj(0, 0, None, FinishStatus.COMPLETED, [T(TurnKind.ANSWER)])])
+    with pytest.raises(ValueError, match="unscored"):
+        compute_metrics([unscored], k=1)
