@@ -34,8 +34,11 @@ silently; ``require_full_isolation=True`` refuses to start instead):
   RLIMIT_AS above the zygote's own size: ``memory``), processes (pids cgroup + RLIMIT_NPROC:
   fork bombs), file size (RLIMIT_FSIZE), open files, no core dumps;
 - disk: /tmp (the working dir), /var/tmp and /dev/shm are private size-limited tmpfs
-  mounts of the slot, wiped after every request; the rest of the filesystem is writable
-  only where "other" users may write;
+  mounts of the slot, wiped after every request (their pages count against the cell's
+  memory limit); every other mount but /proc, /sys and /dev is read-only in the zygote's
+  mount namespace (so no world-writable spot such as /run/lock can fill the host's disk);
+- IPC: the zygote has its own IPC namespace where SysV message queues, semaphores, shared
+  memory and POSIX message queues are disabled (nothing a cell could leave behind);
 - output: head and tail of stdout/stderr are kept (``*_truncated`` flags); past a hard cap
   the cell is killed (``output_limit``);
 - leftovers: after each request every process of the cell's tree is killed through the
@@ -51,7 +54,6 @@ Not protected:
 - reading world-readable files (the code, the virtualenv, /etc) and listing host
   processes with their command lines (/proc has no pid namespace);
 - CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
-- state left in the world-writable places outside /tmp, /var/tmp and /dev/shm (if any);
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
 - cells of one slot run one after another under the same uid; nothing survives a
   request, but a cell can observe that the previous one ran (timing, cgroup counters);

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -36,8 +37,12 @@ NAMESPACE_FLAGS = (
     CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET
 )
 
+MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 
@@ -82,6 +87,45 @@ def enter_private_namespaces() -> None:
     """Give the calling process (the zygote) an empty network namespace and a private mount namespace."""
     unshare(CLONE_NEWNET | CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+# Kept writable in the zygote's mount namespace: the zygote manages cgroups under /sys and a
+# cell sets its own /proc/self/oom_score_adj; /dev holds device nodes (and our /dev/shm tmpfs).
+_KEEP_WRITABLE = ("/proc", "/sys", "/dev")
+_MOUNT_FLAG_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+
+
+def remount_read_only() -> int:
+    """Make every mount but /proc, /sys and /dev read-only (in the caller's private mount
+    namespace), so a cell can write nowhere on the host (e.g. a world-writable /run/lock)."""
+    done = 0
+    with open("/proc/self/mountinfo") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        fields = line.split()
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if any(target == keep or target.startswith(keep + "/") for keep in _KEEP_WRITABLE):
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in fields[5].split(","):
+            flags |= _MOUNT_FLAG_OPTIONS.get(option, 0)
+        mount("none", target, None, flags)
+        done += 1
+    return done
+
+
+def disable_ipc() -> None:
+    """In the caller's own IPC namespace: no SysV message queues, semaphores or shared memory,
+    no POSIX message queues (objects a cell could leave behind for the next one)."""
+    unshare(CLONE_NEWIPC)
+    for path, value in (("/proc/sys/kernel/msgmni", "0"), ("/proc/sys/kernel/shmmni", "0"),
+                        ("/proc/sys/fs/mqueue/queues_max", "0"), ("/proc/sys/kernel/shm_rmid_forced", "1")):
+        with open(path, "w") as f:
+            f.write(value)
+    with open("/proc/sys/kernel/sem") as f:
+        semmsl, semmns, semopm, _ = f.read().split()
+    with open("/proc/sys/kernel/sem", "w") as f:
+        f.write(f"{semmsl} {semmns} {semopm} 0")
 
 
 def mount_private_tmpfs(size_mb: int, uid: int, gid: int) -> list[str]:

@@ -213,14 +213,32 @@ class Zygote:
 
         self._protect("network_namespace", empty_netns)
 
+        def ipc() -> str:
+            isolation.disable_ipc()
+            return "own IPC namespace; SysV IPC and POSIX message queues disabled"
+
+        self._protect("ipc_namespace", ipc)
+        read_only: list[object] = [RuntimeError("no private mount namespace")]
+
         def private_tmp() -> str:
             isolation.unshare(isolation.CLONE_NEWNS)
             isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
+            try:
+                read_only[0] = f"{isolation.remount_read_only()} mounts read-only (all but /proc, /sys, /dev)"
+            except OSError as exc:
+                read_only[0] = exc
             self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
             return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
 
         if self._protect("private_tmpfs", private_tmp) is None:
             os.makedirs(isolation.WORKDIR, exist_ok=True)
+
+        def read_only_filesystem() -> str:
+            if isinstance(read_only[0], Exception):
+                raise read_only[0]
+            return read_only[0]
+
+        self._protect("read_only_filesystem", read_only_filesystem)
         name = f"uid-{self.uid}"
 
         def pids_cgroup() -> isolation.SlotCgroup:

@@ -264,3 +264,32 @@ def test_tmpfs_files_count_against_the_memory_limit(client):
     assert res.exit_code == -9  # the cgroup OOM killer, not a MemoryError
     assert "/dev/shm" not in res.stdout
     assert_next_ok(client)
+
+
+def test_the_host_filesystem_is_read_only(client):
+    candidates = ["/run/lock/probe", "/var/lib/probe", "/probe", __file__ + ".probe"]
+    targets = [p for p in candidates if os.path.isdir(os.path.dirname(p))]  # /run/lock: world-writable here
+    code = (
+        "import errno\n"
+        f"for path in {targets!r}:\n"
+        "    try:\n        open(path, 'w').write('x')\n        print('written')\n"
+        "    except OSError as exc:\n        print(errno.errorcode[exc.errno])\n"
+    )
+    res = client.run(code)
+    assert res.status is Status.OK, res
+    assert res.stdout.split() == ["EROFS"] * len(targets)
+    assert_next_ok(client)
+
+
+def test_no_sysv_or_posix_ipc_objects(client):
+    code = (
+        "import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "rt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+        "calls = [lambda: libc.shmget(0, 4096, 0o1600), lambda: libc.msgget(0, 0o1600),\n"
+        "         lambda: libc.semget(0, 1, 0o1600), lambda: rt.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None)]\n"
+        "for call in calls:\n    print(call(), errno.errorcode[ctypes.get_errno()])\n"
+    )
+    res = client.run(code)
+    assert res.status is Status.OK, res
+    assert res.stdout.splitlines() == ["-1 ENOSPC"] * 4
+    assert_next_ok(client)
