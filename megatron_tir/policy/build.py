@@ -44,7 +44,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
     """torch.distributed + megatron model-parallel groups for ``tp`` x ``pp`` (x data parallel).
 
     Uses the usual env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); without it, a
-    single-process group on a free local port. Idempotent for the same sizes.
+    single-process group on a free local port. Idempotent for the same sizes; ValueError
+    if groups of other sizes exist (checkpoint conversion, which builds a TP=1 meta model,
+    therefore runs in its own process, not inside a parallel job).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -63,10 +65,12 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_pipeline_model_parallel_world_size() == pp):
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have == (tp, pp):
             return
-        parallel_state.destroy_model_parallel()
+        raise ValueError(f"model parallelism is already initialized with tp={have[0]} pp={have[1]}, "
+                         f"not tp={tp} pp={pp} (call destroy_parallel() first)")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
