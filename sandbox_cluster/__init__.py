@@ -21,9 +21,10 @@ silently; ``require_full_isolation=True`` refuses to start instead):
 - network: the zygote lives in its own empty network namespace (loopback down), and
   seccomp makes ``socket()`` fail with EPERM, so no inet, netlink or unix sockets at all
   (``socketpair`` and pipes still work inside the cell);
-- other processes: the cell runs as an unprivileged uid reserved for its slot (flock
-  leases, unique per host), so it cannot signal, ptrace or read the environment of the
-  broker, the workers, the zygotes or other slots' cells; seccomp also denies ptrace,
+- other processes: each zygote is pid 1 of its own pid namespace with its own /proc, so a
+  cell sees and can reach only its zygote and its own processes; the cell runs as an
+  unprivileged uid reserved for its slot (flock leases, unique per host), so it cannot
+  signal or ptrace its zygote either; seccomp also denies ptrace,
   process_vm_*, mount, unshare/setns/namespace clones, bpf, perf, keyctl, io_uring, module
   and reboot calls; the cell is killed if its zygote dies (PDEATHSIG);
 - secrets in the environment: zygotes are exec'd with a minimal environment, so neither
@@ -51,8 +52,7 @@ Not protected:
 
 - kernel or hardware exploits (no VM, no gVisor): a kernel bug reachable through the
   allowed syscalls escapes the sandbox;
-- reading world-readable files (the code, the virtualenv, /etc) and listing host
-  processes with their command lines (/proc has no pid namespace);
+- reading world-readable files (the code, the virtualenv, /etc);
 - CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
 - cells of one slot run one after another under the same uid; nothing survives a

@@ -196,7 +196,9 @@ class Zygote:
         self.protections.append(Protection(name=name, active=True, detail=out if isinstance(out, str) else ""))
         return out
 
-    def setup(self) -> None:
+    def setup(self, pid_namespace: str | Exception | None = None) -> None:
+        """Enter every isolation layer the host allows; ``pid_namespace``: the outcome of
+        ``_enter_pid_namespace`` (done before, it forks), None when not tried."""
         self._protect("subreaper", lambda: isolation.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1))
         self._protect("clean_environment", self._check_clean_env)
 
@@ -219,6 +221,7 @@ class Zygote:
 
         self._protect("ipc_namespace", ipc)
         read_only: list[object] = [RuntimeError("no private mount namespace")]
+        pid_ns: list[object] = [pid_namespace if pid_namespace is not None else RuntimeError("not tried")]
 
         def private_tmp() -> str:
             isolation.unshare(isolation.CLONE_NEWNS)
@@ -228,6 +231,12 @@ class Zygote:
             except OSError as exc:
                 read_only[0] = exc
             self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
+            if isinstance(pid_namespace, str):
+                try:  # a /proc that shows this pid namespace only
+                    isolation.mount("proc", "/proc", "proc",
+                                    isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
+                except OSError as exc:
+                    pid_ns[0] = exc
             return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
 
         if self._protect("private_tmpfs", private_tmp) is None:
@@ -239,6 +248,15 @@ class Zygote:
             return read_only[0]
 
         self._protect("read_only_filesystem", read_only_filesystem)
+
+        def own_pids() -> str:
+            if isinstance(pid_ns[0], Exception):
+                raise pid_ns[0]
+            if self.tmpfs_dirs == []:
+                raise RuntimeError("no private mount namespace for a /proc of the pid namespace")
+            return pid_ns[0]
+
+        self._protect("pid_namespace", own_pids)
         name = f"uid-{self.uid}"
 
         def pids_cgroup() -> isolation.SlotCgroup:
@@ -558,6 +576,32 @@ def _vm_size_bytes() -> int:
 # --------------------------------------------------------------------------- entry point
 
 
+def _enter_pid_namespace(keep_fd: int) -> str | Exception:
+    """Become pid 1 of a new pid namespace, so cells see (and can signal) only their slot.
+
+    ``unshare(CLONE_NEWPID)`` only moves the caller's future children, so the process the
+    worker started stays outside as a shim: it forks the real zygote, forwards SIGTERM, and
+    exits with it (and the zygote dies with the shim: PDEATHSIG). When pid 1 of a namespace
+    dies, the kernel kills everything left in it.
+    """
+    try:
+        isolation.unshare(isolation.CLONE_NEWPID)
+    except OSError as exc:
+        return exc
+    child = os.fork()
+    if child == 0:
+        isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+        return "cells see only their own slot's processes (/proc remounted)"
+    os.close(keep_fd)  # only the zygote holds the worker's socket: its death is the worker's EOF
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+        except InterruptedError:
+            continue
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sandbox_cluster.zygote")
     parser.add_argument("--fd", type=int, required=True)
@@ -569,12 +613,13 @@ def main(argv: list[str] | None = None) -> int:
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent:
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     os.environ.pop("PYTHONPATH", None)  # only needed to start; cells get exactly CELL_ENV
+    pid_namespace = _enter_pid_namespace(args.fd)  # from here on: pid 1 of a new pid namespace
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sock = socket.socket(fileno=args.fd)
     zygote = Zygote(uid=args.uid, limits=SandboxLimits.from_json(args.limits))
     try:
-        zygote.setup()
+        zygote.setup(pid_namespace)
         warm_up()
         gc.collect()
         zygote.enter_cgroups()

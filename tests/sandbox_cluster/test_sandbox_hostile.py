@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -115,15 +116,26 @@ def test_cannot_kill_parent_broker_or_workers(client, cluster):
     code = "import os, signal\n" + "".join(
         f"try:\n    os.kill({pid}, signal.SIGKILL)\n    print('{name}: killed')\n"
         f"except PermissionError:\n    print('{name}: denied')\n"
+        f"except ProcessLookupError:\n    print('{name}: invisible')\n"
         for name, pid in targets.items()
-    ) + "os.kill(-1, signal.SIGKILL)\nprint('kill -1 done')\n"
+    ) + "try:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\nprint('kill -1 done')\n"
     res = client.run(code, timeout=10)
     assert res.status is Status.OK, res
-    assert res.stdout.splitlines() == [f"{name}: denied" for name in targets] + ["kill -1 done"]
+    # The zygote is the cell's parent but another user; the rest live outside its pid namespace.
+    assert res.stdout.splitlines() == (["zygote: denied"] + [f"{name}: invisible" for name in list(targets)[1:]]
+                                       + ["kill -1 done"])
     time.sleep(0.2)
     assert psutil.pid_exists(cluster.broker_pid)
     assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in cluster.worker_pids)
     assert len(cluster.worker_pids) == 2 and cluster.restarts == 0
+    assert_next_ok(client)
+
+
+def test_cell_sees_only_its_own_slot_processes(client):
+    res = client.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid())")
+    assert res.status is Status.OK, res
+    visible, me = res.stdout.rsplit(" ", 1)
+    assert visible == str(sorted({1, int(me)}))  # the zygote (pid 1 of the namespace) and itself
     assert_next_ok(client)
 
 
@@ -185,16 +197,24 @@ def test_network_namespace_has_only_a_down_loopback(client):
 
 
 def test_setsid_orphan_dies_with_the_request(client):
-    code = (
-        "import subprocess\n"
-        "p = subprocess.Popen(['setsid', 'sleep', '300'])\n"
-        "import time; time.sleep(0.2)\n"
-        "print(p.pid)\n"
-    )
-    res = client.run(code, timeout=10)
-    assert res.status is Status.OK, res
-    pid = int(res.stdout)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    code = "import subprocess, time\nsubprocess.Popen(['setsid', 'sleep', '313'])\ntime.sleep(1.0)\nprint('done')\n"
+    uids = slot_uids(client)
+
+    def orphans() -> list[psutil.Process]:
+        return [p for p in cell_processes(uids) if p.cmdline()[:2] == ["sleep", "313"]]
+
+    async def scenario():
+        task = asyncio.ensure_future(client.arun(code, timeout=10))
+        seen = False
+        while not task.done() and not seen:
+            await asyncio.sleep(0.02)
+            seen = bool(orphans())
+        return seen, await task
+
+    seen_running, res = asyncio.run(scenario())
+    assert seen_running  # the orphan really ran (in its own session) during the request ...
+    assert (res.status, res.stdout) == (Status.OK, "done\n")
+    assert orphans() == []  # ... and is gone once the request is answered
     assert_next_ok(client)
 
 
