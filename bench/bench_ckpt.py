@@ -8,12 +8,14 @@ Each side runs in its own subprocess (fresh interpreter) so peak RSS is its own:
 
 Reported per side: time of the operation itself (imports excluded), the same operation
 run a second time in the same process (one-time costs paid), process wall time,
-peak RSS (``ru_maxrss`` of the process, and of any helper process it forked), and peak
+peak RSS (VmHWM of the process; ``ru_maxrss`` of any helper process it forked, which
+counts pages shared copy-on-write with the parent), and peak
 RSS above the RSS right after imports (the memory the operation itself needed). Ratios:
 conversion time vs raw read+write time (target <= 2x), peak RSS vs the model's bytes
 (target <= 1.5x).
 
     python bench/bench_ckpt.py [--model smollm2|DIR] [--workdir DIR]
+    python bench/bench_ckpt.py --synthetic-qwen2-1b   # a random ~0.9B-parameter bf16 Qwen2 (1.8 GB)
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ def _rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def _peak_rss_bytes() -> int:
+    """This process's RSS high-water mark (VmHWM). Unlike ru_maxrss it is not inherited from
+    the parent across fork+exec, so a big parent does not inflate the child's figure."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _phase(name: str, src: str, dst: str) -> dict:
@@ -83,7 +94,7 @@ def _phase(name: str, src: str, dst: str) -> dict:
     op(dst + "-again")
     warm_s = time.perf_counter() - t0
     return {"op_s": op_s, "warm_s": warm_s, "rss_after_imports": rss_after_imports,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss": _peak_rss_bytes(),
             "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 
 
@@ -101,6 +112,22 @@ def _run_phase(name: str, src: Path, dst: Path) -> dict:
     return result
 
 
+def _synthetic_qwen2(dest: Path) -> Path:
+    """A random untied Qwen2 with ~0.9B parameters in bfloat16 (to see how costs scale with size)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_tir.models import materialize_smollm2, tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen2", tie_word_embeddings=False, hidden_size=2048, num_layers=16, num_heads=16,
+                      num_kv_heads=4, intermediate_size=5632)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(materialize_smollm2()).save_pretrained(dest)
+    return dest
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:,.0f} MB"
 
@@ -109,6 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--synthetic-qwen2-1b", action="store_true", help="benchmark a random 0.9B bf16 Qwen2")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
     parser.add_argument("--dst", help=argparse.SUPPRESS)
@@ -122,10 +150,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from megatron_tir.models import resolve_model
 
-    hf_dir = resolve_model(args.model)
-    model_bytes = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir))
     try:
+        hf_dir = _synthetic_qwen2(work / "synthetic") if args.synthetic_qwen2_1b else resolve_model(args.model)
+        model_bytes = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
         raw = _run_phase("raw", hf_dir, work / "raw")
         h2m = _run_phase("hf-to-megatron", hf_dir, work / "megatron")
         m2h = _run_phase("megatron-to-hf", work / "megatron", work / "hf")
@@ -135,7 +163,7 @@ def main() -> int:
     conv_op = h2m["op_s"] + m2h["op_s"]
     conv_warm = h2m["warm_s"] + m2h["warm_s"]
     conv_wall = h2m["wall_s"] + m2h["wall_s"]
-    print(f"\nmodel: {hf_dir} ({_mb(model_bytes)} of safetensors), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}\n")
+    print(f"\nmodel: {'synthetic Qwen2 0.9B bf16' if args.synthetic_qwen2_1b else hf_dir} ({_mb(model_bytes)} of safetensors), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}\n")
     print("| side | op time | op time, 2nd run in process | process wall | peak RSS | peak RSS x model | RSS after imports | peak - imports "
           "| peak - imports x model | forked helper peak RSS |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

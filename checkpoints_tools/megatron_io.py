@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, read_meta,
-                                      write_meta)
+from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, write_meta)
 from megatron_tir.policy.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,3 @@ def check_same_model(meta: CheckpointMeta, spec: ModelSpec, what: str) -> None:
     diffs = [f"{k} {a[k]} vs {b[k]}" for k in a if k != "dtype" and a[k] != b[k]]
     if diffs:
         raise ValueError(f"checkpoint holds a different model than {what}: {', '.join(diffs[:3])}")
-
-
-def read_spec(ckpt: Path) -> tuple[CheckpointMeta, ModelSpec]:
-    meta = read_meta(ckpt)
-    return meta, meta.spec

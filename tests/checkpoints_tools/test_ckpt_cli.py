@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 from checkpoints_tools.cli import EXIT_BAD_INPUT, EXIT_VERIFY_FAILED, main
 from checkpoints_tools.layout import META_NAME
