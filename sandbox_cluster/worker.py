@@ -100,13 +100,18 @@ class ZygoteProcess:
         assert self.sock is not None
         return recv_frame(self.sock)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Close the socket (an idle zygote then exits by itself, removing its cgroups); kill
+        it if it is still there after ``grace_s``."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.proc = None
         self.ready = False
 
@@ -180,8 +185,13 @@ class Worker:
                 except zmq.ZMQError:
                     pass
                 self.socket.close(linger=0)
+            for slot in self.slots:  # EOF first, so idle zygotes all exit (and clean up) together
+                if slot.sock is not None:
+                    slot.sock.close()
+                    slot.sock = None
+            deadline = time.monotonic() + 2.0
             for slot in self.slots:
-                slot.stop()
+                slot.stop(grace_s=max(0.0, deadline - time.monotonic()))
             for lease in self.leases:
                 lease.release()
 
