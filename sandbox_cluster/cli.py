@@ -88,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         from .cluster import LocalCluster
 
-        with LocalCluster(workers=1, log_level=args.log_level) as cluster:
+        quiet = "WARNING" if args.log_level == "INFO" else args.log_level
+        with LocalCluster(workers=1, log_level=quiet) as cluster:  # only problems from a throwaway cluster
             result = execute(cluster.address)
     if args.json:
         print(msgspec.json.encode(result).decode())
