@@ -355,7 +355,7 @@ class Zygote:
                 Status.TIMEOUT: f"wall-clock timeout after {req.timeout:g} s",
                 Status.OUTPUT_LIMIT: f"output passed {self.limits.output_hard_cap_bytes} bytes; killed",
             }[verdict]
-        elif exit_code == EXIT_MEMORY or oom:
+        elif exit_code == EXIT_MEMORY or (oom and exit_code != 0):  # (a child's OOM the cell survived: its result)
             status, message = Status.MEMORY, f"memory limit {req.memory_mb} MiB exceeded"
             exit_code = 1 if exit_code == EXIT_MEMORY else exit_code
         elif exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_time >= cpu_limit - 0.1:
