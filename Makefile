@@ -24,7 +24,7 @@ $(STAMP): setup.cfg Makefile pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/megatron-tir demo
+	$(BIN)/megatron-tir eval --model smollm2 --data aime24 --limit 2 --k 2 --max-turns 3 --out runs/eval-aime24-smollm2.jsonl
 
 test: install
 	$(BIN)/python -m pytest
