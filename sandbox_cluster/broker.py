@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import signal
 import time
 import uuid
@@ -77,6 +78,7 @@ class _Task:
     client: bytes  # ROUTER identity of the client
     client_id: str  # the id the client chose
     payload: bytes  # the request as sent to workers (id = key)
+    expires: float = math.inf  # monotonic time past which it is not started (max_queue_s)
     attempts: int = 0
     worker: bytes | None = None
 
@@ -194,7 +196,8 @@ class Broker:
         self._seq += 1
         key = f"{self._prefix}-{self._seq}"
         task = _Task(key=key, client=client, client_id=req.id,
-                     payload=P.encode(msgspec.structs.replace(req, id=key)))
+                     payload=P.encode(msgspec.structs.replace(req, id=key)),
+                     expires=time.monotonic() + req.max_queue_s if req.max_queue_s is not None else math.inf)
         self.tasks[key] = task
         self.queue.append(task)
         self._dispatch()
@@ -288,12 +291,25 @@ class Broker:
             if task is not None and task.worker == worker.identity:
                 self._retry_or_fail(task, f"worker {worker.name} {why}")
 
+    def _expire(self, task: _Task, now: float) -> bool:
+        """Answer a task that waited past its max_queue_s without ever running; True if it did."""
+        if task.attempts or now < task.expires:
+            return False
+        del self.tasks[task.key]
+        self.rejected += 1
+        self._reply(task.client, P.ExecResult(
+            id=task.client_id, status=P.Status.OVERLOADED,
+            message="not started within its max_queue_s; it did not run (safe to retry)"))
+        return True
+
     def _dispatch(self) -> None:
         while self.queue:
             worker = max(self.workers.values(), key=lambda w: (w.free, -w.last_dispatch), default=None)
             if worker is None or worker.free <= 0:
                 return
             task = self.queue.popleft()
+            if self._expire(task, time.monotonic()):
+                continue
             task.attempts += 1
             task.worker = worker.identity
             worker.free -= 1
@@ -304,6 +320,8 @@ class Broker:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if any(now >= t.expires for t in self.queue):
+            self.queue = collections.deque(t for t in self.queue if not self._expire(t, now))
         limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
         for worker in list(self.workers.values()):
             if now - worker.last_seen > limit:

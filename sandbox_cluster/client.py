@@ -2,7 +2,9 @@
 
 Every call returns an ``ExecResult``; infrastructure trouble is a result too, never an
 exception: no reply before the client deadline (cell timeout + ``deadline_slack_s``) is
-``sandbox_error``. Only ``overloaded`` is retried (the broker did not accept the request,
+``sandbox_error``. Each request tells the broker how long it may wait in the queue (what
+is left of the slack), so work the caller gave up on is answered ``overloaded`` instead of
+run. Only ``overloaded`` is retried (the broker did not accept the request,
 so retrying cannot run it twice); arguments that would not pass the broker's validation
 raise ``ValueError`` before anything is sent.
 """
@@ -16,6 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -32,8 +35,8 @@ class ClientConfig:
     backoff_max_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.deadline_slack_s <= 0:
-            raise ValueError(f"deadline_slack_s={self.deadline_slack_s} must be > 0")
+        if not 0 < self.deadline_slack_s <= P.MAX_QUEUE_S:
+            raise ValueError(f"deadline_slack_s={self.deadline_slack_s} outside (0, {P.MAX_QUEUE_S:g}]")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
 
@@ -93,7 +96,7 @@ class SandboxClient:
 
     # ---- requests
 
-    def _build(self, code, timeout, memory_mb, stdin, files) -> tuple[str, bytes]:
+    def _build(self, code, timeout, memory_mb, stdin, files) -> P.ExecRequest:
         if self._closed:
             raise ValueError("client is closed")
         if not isinstance(code, str):
@@ -102,13 +105,18 @@ class SandboxClient:
             raise ValueError(f"files must be a dict of name -> bytes, got {type(files).__name__}")
         files = {k: v.encode() if isinstance(v, str) else v for k, v in (files or {}).items()}
         req = P.ExecRequest(id=uuid.uuid4().hex, code=code, timeout=timeout, memory_mb=memory_mb,
-                            stdin=stdin, files=files)
-        payload = P.encode(req)
+                            stdin=stdin, files=files, max_queue_s=self.config.deadline_slack_s)
         try:
-            P.decode_request(payload)  # the broker's own check, at the caller's edge
+            P.decode_request(P.encode(req))  # the broker's own check, at the caller's edge
         except TypeError as exc:
             raise ValueError(f"bad request: {exc}") from None
-        return req.id, payload
+        return req
+
+    @staticmethod
+    def _payload(req: P.ExecRequest, deadline: float) -> bytes:
+        """The request as sent now: it may wait in the queue only as long as the caller still waits."""
+        wait = max(0.001, deadline - time.monotonic() - req.timeout)
+        return P.encode(msgspec.structs.replace(req, max_queue_s=wait))
 
     def _deadline_result(self, rid: str, waited: float) -> P.ExecResult:
         return P.ExecResult(id=rid, status=P.Status.SANDBOX_ERROR,
@@ -116,14 +124,15 @@ class SandboxClient:
 
     def run(self, code: str, *, timeout: float = 10.0, memory_mb: int = 1024,
             stdin: str | None = None, files: dict[str, bytes] | None = None) -> P.ExecResult:
-        rid, payload = self._build(code, timeout, memory_mb, stdin, files)
+        req = self._build(code, timeout, memory_mb, stdin, files)
+        rid = req.id
         start = time.monotonic()
         deadline = start + timeout + self.config.deadline_slack_s
         backoff = self.config.backoff_initial_s
         with self._lock:
             sock = self._sync_socket()
             while True:
-                sock.send_multipart([P.KIND_EXEC, payload])
+                sock.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
                 result = self._wait_sync(sock, rid, deadline)
                 if result is None:
                     return self._deadline_result(rid, time.monotonic() - start)
@@ -155,7 +164,8 @@ class SandboxClient:
 
     async def arun(self, code: str, *, timeout: float = 10.0, memory_mb: int = 1024,
                    stdin: str | None = None, files: dict[str, bytes] | None = None) -> P.ExecResult:
-        rid, payload = self._build(code, timeout, memory_mb, stdin, files)
+        req = self._build(code, timeout, memory_mb, stdin, files)
+        rid = req.id
         state = self._async_state()
         start = time.monotonic()
         deadline = start + timeout + self.config.deadline_slack_s
@@ -163,7 +173,7 @@ class SandboxClient:
         while True:
             fut = state.loop.create_future()
             state.pending[rid] = fut
-            await state.socket.send_multipart([P.KIND_EXEC, payload])
+            await state.socket.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
             try:
                 result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
             except TimeoutError:

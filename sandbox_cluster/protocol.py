@@ -18,6 +18,7 @@ MAX_STDIN_BYTES = 8 << 20
 MAX_FILES_BYTES = 16 << 20
 MAX_TIMEOUT_S = 300.0
 MAX_MEMORY_MB = 16 << 10
+MAX_QUEUE_S = 86_400.0
 
 
 class Status(str, enum.Enum):
@@ -39,6 +40,9 @@ class ExecRequest(msgspec.Struct, kw_only=True, frozen=True):
     memory_mb: int = 1024  # address-space / cgroup limit
     stdin: str | None = None
     files: dict[str, bytes] = msgspec.field(default_factory=dict)  # name -> content, in cwd
+    # Longest wait in the broker's queue before the request is answered ``overloaded`` without
+    # running (the client would have given up by then); None: wait as long as it takes.
+    max_queue_s: float | None = None
 
 
 class ExecResult(msgspec.Struct, kw_only=True, frozen=True):
@@ -77,6 +81,8 @@ def decode_request(data: bytes) -> ExecRequest:
         raise ValueError(f"code is {len(req.code.encode())} bytes, limit {MAX_CODE_BYTES}")
     if not (0 < req.timeout <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout {req.timeout} outside (0, {MAX_TIMEOUT_S}]")
+    if req.max_queue_s is not None and not (0 < req.max_queue_s <= MAX_QUEUE_S):
+        raise ValueError(f"max_queue_s {req.max_queue_s} outside (0, {MAX_QUEUE_S}]")
     if not (16 <= req.memory_mb <= MAX_MEMORY_MB):
         raise ValueError(f"memory_mb {req.memory_mb} outside [16, {MAX_MEMORY_MB}]")
     if req.stdin is not None and len(req.stdin.encode()) > MAX_STDIN_BYTES:

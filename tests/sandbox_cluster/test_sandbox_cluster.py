@@ -134,27 +134,36 @@ def test_client_deadline_when_nobody_answers(tmp_path):
         assert 1.2 < time.monotonic() - start < 3.0  # each call has its own deadline
 
 
-def test_late_reply_to_an_abandoned_call_is_not_mistaken_for_the_next(client):
-    async def occupy_both_slots():
-        return await asyncio.gather(*(client.arun("import time; time.sleep(1.0)", timeout=5) for _ in range(2)))
+def test_a_stray_reply_is_not_mistaken_for_the_next_result(client):
+    # A reply nobody waits for any more (here: the error answer to a bogus message sent on the
+    # client's own socket) sits on the socket; the next call must skip it.
+    client._sync_socket().send_multipart([b"BOGUS"])
+    time.sleep(0.2)
+    res = client.run("print('mine')")
+    assert (res.status, res.stdout) == (Status.OK, "mine\n")
 
+
+def test_work_the_caller_gave_up_on_is_not_run(client):
+    async def occupy_both_slots():
+        return await asyncio.gather(*(client.arun("import time; time.sleep(1.5)", timeout=5) for _ in range(2)))
+
+    served_before = client.status().served
     blocker = threading.Thread(target=lambda: asyncio.run(occupy_both_slots()))
     blocker.start()
     for _ in range(200):
         if client.status().in_flight == 2:
             break
         time.sleep(0.01)
-    assert client.status().in_flight == 2
-    short = SandboxClient(client.address, ClientConfig(deadline_slack_s=0.05))
+    impatient = SandboxClient(client.address, ClientConfig(deadline_slack_s=0.3, retry_overloaded=False))
     try:
-        first = short.run("print('abandoned')", timeout=0.3)
-        assert first.status is Status.SANDBOX_ERROR  # still queued when the client deadline passed
-        # The abandoned request still runs; its reply reaches this socket while the next call waits.
-        second = short.run("print('second')", timeout=5)
-        assert (second.status, second.stdout) == (Status.OK, "second\n")
+        start = time.monotonic()
+        res = impatient.run("print('should not run')", timeout=2)
+        assert res.status is Status.OVERLOADED and "did not run" in res.message
+        assert time.monotonic() - start < 1.2  # answered when its queue allowance ran out, not at the deadline
     finally:
-        short.close()
+        impatient.close()
         blocker.join()
+    assert client.status().served == served_before + 2  # only the two blockers ran
 
 
 @pytest.mark.slow

@@ -151,6 +151,25 @@ def test_silent_worker_request_is_retried_and_its_late_result_dropped(broker):
         client.close()
 
 
+def test_max_queue_s_answers_overloaded_without_running(broker):
+    client = _client(broker)
+    try:
+        client.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id="impatient", code="1", max_queue_s=0.2))])
+        client.send_multipart([P.KIND_EXEC, P.encode(P.ExecRequest(id="patient", code="2"))])
+        start = time.monotonic()
+        (reply,) = _replies(client, 0.6)  # no worker: only the impatient one is answered
+        assert (reply.id, reply.status) == ("impatient", Status.OVERLOADED)
+        assert 0.2 <= time.monotonic() - start
+        w = ScriptedWorker(broker.worker_endpoint, "w")
+        req = w.next_request()
+        assert req.code == "2"  # the expired one is never handed to a worker
+        w.result(req, "ran\n")
+        assert [(r.id, r.stdout) for r in _replies(client, 0.3)] == [("patient", "ran\n")]
+        w.close()
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("still_running", [True, False])
 def test_reconnected_worker_keeps_what_it_still_runs(tmp_path, still_running):
     with running_broker(tmp_path, heartbeat_interval_s=0.5, heartbeat_liveness=20) as broker:

@@ -14,7 +14,7 @@ from sandbox_cluster.worker import WorkerConfig
 
 def test_request_round_trip_keeps_every_field():
     req = P.ExecRequest(id="r1", code="print(1)", timeout=2.5, memory_mb=300, stdin="in",
-                        files={"a.txt": b"\x00\xffdata"})
+                        files={"a.txt": b"\x00\xffdata"}, max_queue_s=3.5)
     assert P.decode_request(P.encode(req)) == req
 
 
@@ -54,6 +54,7 @@ def test_control_messages_round_trip():
         ({"code": "x" * (P.MAX_CODE_BYTES + 1)}, "limit 1048576"),
         ({"files": {"../etc/passwd": b"x"}}, "plain name"),
         ({"files": {"": b"x"}}, "plain name"),
+        ({"max_queue_s": 0}, "max_queue_s 0"),
     ],
 )
 def test_invalid_requests_are_rejected_with_a_reason(fields, reason):
