@@ -8,7 +8,8 @@ exactly one reply:
   from a worker that was given up on are dropped),
 - or, when its worker dies (heartbeats stop, BYE, or its zygote crashes), a retry on
   another slot, once; a second failure is answered ``sandbox_error``,
-- or, if the queue is full when it arrives, ``overloaded`` (safe to retry),
+- or, if the queue is full when it arrives, or it waited past its ``max_queue_s`` without
+  starting (its caller has given up), ``overloaded``: it did not run, so a retry is safe,
 - or, if it does not validate, ``error`` with a one-line reason.
 """
 
