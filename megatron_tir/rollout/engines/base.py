@@ -48,7 +48,9 @@ class FinishReason(str, enum.Enum):
 @dataclass(kw_only=True, slots=True)
 class Generation:
     token_ids: list[int]
-    logprobs: list[float]  # log p(token) under the sampling distribution's model, one per token
+    # One per token: log_softmax(logits / T)[token] -- temperature applied, top-k / top-p
+    # truncation not (SGLang's default); greedy (T = 0) reports T = 1. See sampling.py.
+    logprobs: list[float]
     finish_reason: FinishReason
     matched_stop: str | None = None
     prompt_tokens: int = 0
@@ -71,7 +73,11 @@ class GenerationEngine(Protocol):
         ...
 
     async def pause(self) -> None:
-        """Stop admitting requests (in-flight ones finish or are aborted)."""
+        """Stop admitting requests (in-flight ones finish or are aborted).
+
+        LocalEngine: in-flight requests are held (``abort_in_flight=True`` aborts them);
+        SGLangEngine: ``mode="abort"`` (default), ``"retract"`` or ``"in_place"``.
+        """
         ...
 
     async def resume(self) -> None: ...
