@@ -3,20 +3,23 @@
 megatron-core assumes CUDA in a few spots that a CPU forward/backward on gloo reaches.
 ``apply()`` redirects exactly those, and only when ``torch.cuda.is_available()`` is
 False (on a GPU it does nothing). Each redirection is listed in ``PATCHES``; the test
-``tests/megatron_tir/policy/test_cpu_compat.py`` asserts every target still exists in
+``tests/megatron_tir/policy/test_policy_cpu_compat.py`` asserts every target still exists in
 the installed megatron-core (and still contains the CUDA call it works around), so an
 upgrade that moves one fails loudly instead of silently running the CUDA path.
 
 What is redirected (and why):
 
-* ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` inside the modules in
-  ``_CUDA_DEVICE_MODULES``: buffers for TP gathers (``tensor_parallel.mappings``,
-  ``tensor_parallel.layers``), the global memory buffer of attention (``utils``), rotary ``inv_freq`` placement, and pipeline p2p shape
-  exchange allocate on "the current CUDA device"; dist_checkpointing's writer
+* ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` / tensor factories
+  called with ``device="cuda"`` inside the modules in ``_CUDA_DEVICE_MODULES``: buffers
+  for TP gathers (``tensor_parallel.mappings``, ``tensor_parallel.layers``), the global
+  memory buffer of attention (``utils``), rotary ``inv_freq`` placement, and pipeline p2p
+  shape exchange allocate on "the current CUDA device"; dist_checkpointing's writer
   synchronizes CUDA after staging tensors to host memory and reduces its
-  failure flags on the current CUDA device. Those modules see a ``torch`` proxy
-  whose ``cuda.current_device()`` is ``"cpu"`` and whose ``cuda.synchronize()`` is a
-  no-op; every other attribute is the real ``torch``.
+  failure flags on the current CUDA device; the pipeline schedules count tokens in
+  ``torch.zeros(..., device="cuda")``. Those modules see a ``torch`` proxy whose
+  ``cuda.current_device()`` is ``"cpu"``, whose ``cuda.synchronize()`` is a no-op and whose
+  ``zeros/ones/empty/full/tensor`` map ``device="cuda"`` to the CPU; every other
+  attribute is the real ``torch``.
 * ``get_default_causal_mask`` (``device="cuda"`` hard-coded): CPU version, cached per
   length like the original.
 * The CUDA RNG tracker (dropout / weight init under ``fork()``): a tracker with the same
@@ -25,14 +28,20 @@ What is redirected (and why):
   (``weight.data.cuda()``) before its all-reduce when PP > 1: wrapped so that, during
   that call only, ``Tensor.cuda()`` leaves CPU tensors where they are.
 
-What works with these (measured on 2 CPU cores, gloo): GPTModel forward and backward
-with the local layer spec at TP=1/2 and with PP=2 when the pipeline stages exchange
-activations with ``torch.distributed`` send/recv (see
-``megatron_tir.policy.forward``); ``dist_checkpointing`` save/load at any TP/PP.
-What is NOT covered yet (the trainer's issue may extend this list): the pipeline
-schedules (``device="cuda"`` token counters), Megatron DDP (``current_stream``), the
-distributed optimizer (``Tensor.type()`` names), ``clip_grads`` and
-``sequence_parallel`` (needs Transformer Engine).
+What works with these (tested on 2 CPU cores, gloo; tests/megatron_tir/policy and
+tests/checkpoints_tools): building GPTModel with the local layer spec; forward at TP=1,
+2, 3 and PP=2 (stages exchanging activations with send/recv, see
+``megatron_tir.policy.forward``); forward+backward at TP=2 with gradients equal to
+transformers'; megatron's pipeline schedules (``get_forward_backward_func()``: no
+pipelining, and 1F1B at PP=2) forward+backward with gradients equal to transformers';
+``dist_checkpointing`` save/load at any TP/PP (TP=3 x PP=2 on 6 ranks), tied embeddings
+across PP stages. Note for loss functions: the schedule divides the returned loss in
+place by the number of micro-batches, so report ``loss.detach().clone()``.
+What is NOT covered yet (the trainer's issue may extend ``PATCHES``): Megatron DDP
+(``current_stream``), the distributed optimizer (``Tensor.type()`` names), ``clip_grads``
+(``device="cuda"``), the rerun state machine, and ``sequence_parallel`` (needs
+Transformer Engine). dist_checkpointing's writer spawns a result-queue manager process
+on its first save in a process (~1-3 s here) and forks one writer per bucket.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ _CUDA_DEVICE_MODULES = (
     ("megatron.core.pipeline_parallel.p2p_communication", "torch.cuda.current_device()"),
     ("megatron.core.dist_checkpointing.strategies.filesystem_async", "torch.cuda.synchronize()"),
     ("megatron.core.dist_checkpointing.strategies.state_dict_saver", "torch.cuda.current_device()"),
+    ("megatron.core.pipeline_parallel.schedules", 'device="cuda"'),
 )
 
 
@@ -106,12 +116,35 @@ class _CpuCuda(types.ModuleType):
         return getattr(torch.cuda, name)
 
 
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
+
+
+def _on_cpu(factory):
+    """A tensor factory whose ``device="cuda"`` means the CPU."""
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
+
+
 class _CpuTorch(types.ModuleType):
-    """``torch`` with ``cuda`` replaced by ``_CpuCuda``; everything else is the real module."""
+    """``torch`` with ``cuda`` replaced by ``_CpuCuda`` and tensor factories that map
+    ``device="cuda"`` to the CPU; everything else is the real module."""
 
     def __init__(self) -> None:
         super().__init__("torch[cpu-compat]")
         self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
 
     def __getattr__(self, name):
         return getattr(torch, name)

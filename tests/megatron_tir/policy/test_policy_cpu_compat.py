@@ -105,3 +105,80 @@ def test_forward_backward_tp2_matches_transformers(make_tiny_hf, tmp_path):
         torch.testing.assert_close(got["embedding.word_embeddings.weight"],
                                    ref_grads["model.embed_tokens.weight"].grad.chunk(2, dim=0)[rank],
                                    rtol=1e-4, atol=1e-6)
+
+
+def _schedule_rank(rank, world, tp, pp, ckpt, batches_path, out_dir):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from checkpoints_tools.layout import read_meta
+    from checkpoints_tools.megatron_io import load_model
+    from megatron_tir.policy.build import build_gpt_model, init_parallel
+
+    init_parallel(tp, pp)
+    model = build_gpt_model(read_meta(ckpt).spec, perform_initialization=False)
+    load_model(model, ckpt)
+    batches = torch.load(batches_path)
+
+    def forward_step(data_iterator, model):
+        inputs, labels = next(data_iterator)
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
+        out = model(input_ids=inputs, position_ids=positions, attention_mask=None, labels=labels)
+
+        def loss_func(per_token_loss):
+            loss = per_token_loss.float().mean()
+            # clone: the schedule divides the returned loss in place by num_microbatches
+            return loss, {"loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=batches[0][0].shape[1], micro_batch_size=1, forward_only=False)
+    stage, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    torch.save({"losses": [d["loss"] for d in losses],
+                **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}},
+               f"{out_dir}/tp{tp_rank}_pp{stage}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
+def test_schedule_forward_backward_matches_transformers(tp, pp, make_tiny_hf, tmp_path):
+    """megatron's schedules (1F1B at PP=2, no pipelining at TP=2) on two gloo ranks:
+    losses and gradients equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_tools.convert import hf_to_megatron
+    from checkpoints_tools.launch import run_ranks
+
+    hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
+    ckpt = hf_to_megatron(hf_dir, tmp_path / "ckpt")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 2000, (2, 10))
+    batches = [(ids[i:i + 1, :-1], ids[i:i + 1, 1:]) for i in range(2)]  # two micro-batches
+    torch.save(batches, tmp_path / "batches.pt")
+    run_ranks(_schedule_rank, 2, tp, pp, str(ckpt), str(tmp_path / "batches.pt"), str(tmp_path))
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    losses = [torch.nn.functional.cross_entropy(ref(input_ids=x).logits[0], y[0]) for x, y in batches]
+    (sum(losses) / len(losses)).backward()  # the schedule averages over micro-batches
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    close = dict(rtol=1e-4, atol=1e-6)
+    if pp == 2:
+        first, last = torch.load(tmp_path / "tp0_pp0.pt"), torch.load(tmp_path / "tp0_pp1.pt")
+        torch.testing.assert_close(torch.stack(last["losses"]), torch.stack(losses).detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(first["embedding.word_embeddings.weight"], grads["model.embed_tokens.weight"],
+                                   **close)
+        torch.testing.assert_close(last["decoder.final_layernorm.weight"], grads["model.norm.weight"], **close)
+        torch.testing.assert_close(last["output_layer.weight"], grads["lm_head.weight"], **close)
+        # stage 1 holds global layer 1 as its local layer 0
+        torch.testing.assert_close(last["decoder.layers.0.mlp.linear_fc2.weight"],
+                                   grads["model.layers.1.mlp.down_proj.weight"], **close)
+        return
+    for rank in range(tp):
+        got = torch.load(tmp_path / f"tp{rank}_pp0.pt")
+        torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(losses).detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["decoder.final_layernorm.weight"], grads["model.norm.weight"], **close)
+        torch.testing.assert_close(got["embedding.word_embeddings.weight"],
+                                   grads["model.embed_tokens.weight"].chunk(tp)[rank], **close)
+        torch.testing.assert_close(got["output_layer.weight"], grads["lm_head.weight"].chunk(tp)[rank], **close)
