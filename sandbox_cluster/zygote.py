@@ -389,7 +389,7 @@ class Zygote:
                 now = time.monotonic()
                 if now >= deadline:
                     if exited_at is None:
-                        verdict = Status.TIMEOUT
+                        verdict, exited_at = Status.TIMEOUT, now  # its run time ends with the deadline
                     break
                 watch = list(streams) + ([pidfd] if exited_at is None else [])
                 ready, _, _ = select.select(watch, [], [], deadline - now)
@@ -410,7 +410,7 @@ class Zygote:
                         break
                 if verdict is not None:
                     break
-            if verdict is not None or exited_at is None:
+            if verdict is not None:
                 self._kill_cell(pid)
             _, exit_status, rusage = os.wait4(pid, 0)
             wall = (exited_at or time.monotonic()) - start

@@ -145,15 +145,16 @@ def test_a_stray_reply_is_not_mistaken_for_the_next_result(client):
 
 def test_work_the_caller_gave_up_on_is_not_run(client):
     async def occupy_both_slots():
-        return await asyncio.gather(*(client.arun("import time; time.sleep(1.5)", timeout=5) for _ in range(2)))
+        return await asyncio.gather(*(client.arun("import time; time.sleep(2)", timeout=5) for _ in range(2)))
 
     served_before = client.status().served
     blocker = threading.Thread(target=lambda: asyncio.run(occupy_both_slots()))
     blocker.start()
-    for _ in range(200):
+    for _ in range(500):
         if client.status().in_flight == 2:
             break
         time.sleep(0.01)
+    assert client.status().in_flight == 2
     impatient = SandboxClient(client.address, ClientConfig(deadline_slack_s=0.3, retry_overloaded=False))
     try:
         start = time.monotonic()

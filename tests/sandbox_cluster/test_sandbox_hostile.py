@@ -17,7 +17,7 @@ def test_fork_bomb_is_contained_and_cleaned_up(client):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     res = client.run(code, timeout=3)
     assert res.status is Status.TIMEOUT, res
-    assert res.wall_time == pytest.approx(3, abs=0.5)
+    assert 3 <= res.wall_time < 5  # killed at its deadline (plus scheduling delay on a loaded box)
     assert_next_ok(client)
 
 
@@ -39,7 +39,7 @@ def test_fork_limit_is_enforced(client):
 def test_busy_loop_times_out(client):
     res = client.run("while True:\n    pass\n", timeout=1.5)
     assert res.status is Status.TIMEOUT
-    assert res.wall_time == pytest.approx(1.5, abs=0.4)
+    assert 1.5 <= res.wall_time < 3
     assert res.cpu_time > 0.05  # it was burning CPU (how much depends on the machine's load)
     assert_next_ok(client)
 
