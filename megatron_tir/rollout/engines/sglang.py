@@ -64,7 +64,7 @@ class SGLangEngineConfig:
     request_timeout_s: float = 3600.0  # one /generate call
     connect_timeout_s: float = 10.0
     control_timeout_s: float = 600.0  # weight sync, flush, pause, memory calls
-    health_check_interval_s: float = 5.0  # 0: no background health checks
+    health_check_interval_s: float = 5.0  # 0: none (a server marked down then stays down until check_health())
     health_timeout_s: float = 5.0
     max_attempts: int = 3  # servers tried per request (safe failures only)
     retry_backoff_s: float = 0.2
@@ -396,8 +396,8 @@ class SGLangEngine:
             asyncio.get_running_loop().create_task(abort())
 
     async def _post(self, url: str, path: str, payload: Any, timeout_s: float) -> tuple[int, Any]:
-        async with self._session.post(f"{url}{path}", json=payload,
-                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
+        async with self._session.post(f"{url}{path}", json=payload, timeout=timeout) as response:
             text = await response.text()
         try:
             body = json.loads(text) if text else None
