@@ -302,6 +302,8 @@ class LocalEngine:
 
     def _ensure_started(self) -> None:
         if self._loop_task is not None:
+            if self._loop_task.get_loop() is not asyncio.get_running_loop():
+                raise RuntimeError("LocalEngine is bound to the event loop that first used it; create one per loop")
             return
         if self._closed:
             raise RuntimeError("LocalEngine is closed")

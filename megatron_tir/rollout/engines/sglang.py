@@ -248,6 +248,7 @@ class SGLangEngine:
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.pool = ServerPool(config.server_urls)
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
         self._admitting: asyncio.Event | None = None
         self._weight_sync: DistributedWeightSync | None = None
@@ -260,7 +261,10 @@ class SGLangEngine:
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
         if self._session is not None:
+            if self._loop is not asyncio.get_running_loop():
+                raise RuntimeError("SGLangEngine is bound to the event loop that first used it; create one per loop")
             return
+        self._loop = asyncio.get_running_loop()
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),  # many long generations in flight

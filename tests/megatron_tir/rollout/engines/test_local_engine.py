@@ -426,3 +426,10 @@ def test_config_validation(overrides, message):
 def test_unknown_model_is_a_clear_error(make_engine, tmp_path):
     with pytest.raises(ValueError, match="neither 'smollm2' nor an existing directory"):
         make_engine(tmp_path / "nope")
+
+
+def test_using_an_engine_from_a_second_event_loop_is_a_clear_error(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, eos_token_ids=(0,))
+    run(engine.generate([1, 2], SamplingParams(max_new_tokens=2, seed=0)))
+    with pytest.raises(RuntimeError, match="bound to the event loop"):
+        run(engine.generate([1, 2], SamplingParams(max_new_tokens=2, seed=0)))
