@@ -4,7 +4,8 @@ Requests (SGLang 0.5.x native API, ``sglang/srt/entrypoints/http_server.py``):
     ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``,
     ``temperature``, ``top_p``, ``top_k``, ``stop``, ``no_stop_trim: true``,
     ``skip_special_tokens: false``, ``sampling_seed``), ``return_logprob: true`` and a
-    ``rid``. The answer's ``output_ids`` are the sampled ids, ``meta_info.
+    ``rid``. (SGLang honors ``sampling_seed`` only on servers started with
+    ``--enable-deterministic-inference``; otherwise seeded requests are not reproducible.) The answer's ``output_ids`` are the sampled ids, ``meta_info.
     output_token_logprobs`` holds ``[logprob, token_id, text|null]`` per id, and
     ``meta_info.finish_reason`` is ``{"type": "stop", "matched": str|int}`` (an int is
     the EOS id that ended it), ``{"type": "length", ...}`` or ``{"type": "abort", ...}``.

@@ -37,6 +37,7 @@ class SGLangServerConfig:
     context_length: int | None = None
     random_seed: int | None = None
     enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
+    enable_deterministic_inference: bool = False  # needed for SamplingParams.seed (sampling_seed) to take effect
     skip_server_warmup: bool = False
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  # passed through verbatim
@@ -78,6 +79,8 @@ class SGLangServerConfig:
             args += ["--random-seed", str(self.random_seed)]
         if self.enable_memory_saver:
             args.append("--enable-memory-saver")
+        if self.enable_deterministic_inference:
+            args.append("--enable-deterministic-inference")
         if self.skip_server_warmup:
             args.append("--skip-server-warmup")
         return args + list(self.extra_args)

@@ -39,7 +39,8 @@ def free_port() -> int:
 def test_argv_uses_only_flags_sglang_declares():
     cfg = SGLangServerConfig(model_path="/models/qwen2.5-7b", host="0.0.0.0", port=30001, tp_size=2, base_gpu_id=4,
                              mem_fraction_static=0.7, dtype="bfloat16", context_length=32768, random_seed=7,
-                             enable_memory_saver=True, skip_server_warmup=True, log_level="warning")
+                             enable_memory_saver=True, enable_deterministic_inference=True, skip_server_warmup=True,
+                             log_level="warning")
     argv = cfg.argv()
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = [a for a in argv[3:] if a.startswith("--")]
@@ -47,7 +48,7 @@ def test_argv_uses_only_flags_sglang_declares():
     pairs = dict(zip(argv[3::1], argv[4::1]))
     assert pairs["--model-path"] == "/models/qwen2.5-7b" and pairs["--tp-size"] == "2"
     assert pairs["--mem-fraction-static"] == "0.7" and pairs["--base-gpu-id"] == "4" and pairs["--port"] == "30001"
-    assert "--enable-memory-saver" in argv and "--skip-server-warmup" in argv
+    assert {"--enable-memory-saver", "--enable-deterministic-inference", "--skip-server-warmup"} <= set(argv)
     assert cfg.url == "http://127.0.0.1:30001"
 
 
