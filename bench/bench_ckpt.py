@@ -1,6 +1,7 @@
 """Benchmark: HF -> Megatron -> HF conversion of SmolLM2-135M vs a raw safetensors read + write.
 
-Each side runs in its own subprocess (fresh interpreter) so peak RSS is its own:
+Each side runs in its own subprocess (fresh interpreter) so peak RSS is its own, after
+an ``os.sync()`` so no side pays for the previous side's pending writeback:
 
 * ``raw``: ``safetensors.torch.load_file`` of the model, then ``save_file`` of the same tensors
   and an fsync (both conversion writers fsync: megatron-core's, and ours before the rename);
@@ -99,6 +100,7 @@ def _phase(name: str, src: str, dst: str) -> dict:
 
 
 def _run_phase(name: str, src: Path, dst: Path) -> dict:
+    os.sync()  # each side starts without the previous side's writeback pending
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--phase", name, "--src", str(src), "--dst", str(dst)],

@@ -61,7 +61,9 @@ def spec_from_hf_dir(hf_dir: Path) -> tuple[ModelSpec, dict]:
 
 
 def _model_templates(spec: ModelSpec) -> dict:
-    """``{GPTModel key: ShardedTensor | ShardedTensorFactory}`` for the whole model (meta tensors)."""
+    """The whole model's sharded state dict on meta tensors, keyed ``model.<GPTModel key>``:
+    ShardedTensor / ShardedTensorFactory per weight (checked against the key map) and
+    ShardedObject per ``_extra_state`` (saved as they are)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_tir.policy.build import build_gpt_model, init_parallel
@@ -157,6 +159,8 @@ def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
     if isinstance(qc, dict) and qc.get("quant_method") == "gguf":
         config.pop("quantization_config")  # the weights we write are plain tensors
     config["dtype"] = spec.dtype
+    if "torch_dtype" in config:  # transformers 4 spelling
+        config["torch_dtype"] = spec.dtype
     config["tie_word_embeddings"] = spec.tie_word_embeddings
     return config
 
