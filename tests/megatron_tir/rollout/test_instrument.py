@@ -1,0 +1,28 @@
+"""InstrumentedEngine bookkeeping (used by the benchmark and the exactness tests)."""
+
+import asyncio
+
+from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+from megatron_tir.rollout.instrument import EngineCall, InstrumentedEngine
+from scripted_engine import ScriptedEngine
+
+
+def call(t0, t1, n=1):
+    return EngineCall(prompt_ids=(1,), params=SamplingParams(max_new_tokens=4), token_ids=(7,) * n,
+                      logprobs=(-1.0,) * n, finish_reason=FinishReason.LENGTH, t_start=t0, t_end=t1)
+
+
+def test_busy_seconds_is_the_union_of_request_intervals(smollm2_tokenizer):
+    inst = InstrumentedEngine(ScriptedEngine(smollm2_tokenizer, lambda ctx: "x"))
+    inst.calls = [call(0.0, 1.0, 2), call(0.5, 2.0), call(3.0, 4.0), call(3.2, 3.5)]
+    assert inst.busy_seconds() == 3.0  # [0, 2] and [3, 4]
+    assert inst.generated_tokens == 5
+
+
+def test_records_what_the_wrapped_engine_returned(smollm2_tokenizer):
+    engine = ScriptedEngine(smollm2_tokenizer, lambda ctx: "Hello there, world.")
+    inst = InstrumentedEngine(engine)
+    gen = asyncio.run(inst.generate([1, 2, 3], SamplingParams(max_new_tokens=3)))
+    (c,) = inst.calls
+    assert c.prompt_ids == (1, 2, 3) and list(c.token_ids) == gen.token_ids and len(gen.token_ids) == 3
+    assert c.finish_reason is FinishReason.LENGTH and c.t_end >= c.t_start
