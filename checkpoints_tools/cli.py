@@ -3,7 +3,7 @@
     tir-ckpt hf-to-megatron --hf DIR|smollm2 --out DIR [--tp N --pp M]
     tir-ckpt megatron-to-hf --ckpt DIR|RUN_DIR --out DIR
     tir-ckpt reshard --ckpt DIR --out DIR --tp N --pp M
-    tir-ckpt verify --hf DIR|smollm2 --ckpt DIR [--tp N --pp M] [--atol 1e-3]
+    tir-ckpt verify --hf DIR|smollm2 --ckpt DIR [--tp N --pp M] [--atol 1e-3] [--dtype float32]
     tir-ckpt keymap [--family llama|qwen2]
 
 Bad input (unknown architecture, missing files, a layout that does not divide the
@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     vf.add_argument("--atol", type=float, default=1e-3, help="max allowed |logit diff|")
     vf.add_argument("--min-argmax-agreement", type=float, default=0.99)
     vf.add_argument("--max-tokens", type=int, default=48)
+    vf.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype of both models (weights are cast on load)")
     vf.add_argument("--text", action="append", help="sample text (repeatable); default: built-in samples")
 
     km = sub.add_parser("keymap", help="print the HF <-> Megatron key map as a markdown table")
@@ -95,7 +97,8 @@ def _run(args: argparse.Namespace) -> int:
         from checkpoints_tools.verify import DEFAULT_TEXTS, VerifyConfig, verify
 
         cfg = VerifyConfig(tp=args.tp, pp=args.pp, atol=args.atol, min_argmax_agreement=args.min_argmax_agreement,
-                           max_tokens=args.max_tokens, texts=tuple(args.text) if args.text else DEFAULT_TEXTS)
+                           max_tokens=args.max_tokens, texts=tuple(args.text) if args.text else DEFAULT_TEXTS,
+                           dtype=args.dtype)
         result = verify(args.hf, args.ckpt, cfg)
         print(f"verify {args.ckpt} against {args.hf} at tp={args.tp} pp={args.pp}: {result.line(cfg)}")
         return 0 if result.ok else EXIT_VERIFY_FAILED
