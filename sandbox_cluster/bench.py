@@ -41,9 +41,9 @@ _THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THR
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
     requests: int = 200  # cluster requests per (snippet, concurrency)
-    fresh_requests: int = 12  # fresh interpreters per (snippet, concurrency)
+    fresh_requests: int = 16  # fresh interpreters per (snippet, concurrency)
     bare_fork_requests: int = 200
-    rounds: int = 4  # the modes alternate in this many blocks each
+    rounds: int = 8  # the modes alternate in this many blocks each
     workers: int = 0  # cluster workers; 0: one per core
     concurrency: list[int] = field(default_factory=list)  # default: [1, 2 x cores]
 

@@ -202,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="fresh python -c per call vs the cluster (and a bare warm fork)")
     p.add_argument("--requests", type=int, default=200, help="cluster requests per (snippet, concurrency)")
-    p.add_argument("--fresh-requests", type=int, default=12, help="fresh-interpreter calls per (snippet, concurrency)")
+    p.add_argument("--fresh-requests", type=int, default=16, help="fresh-interpreter calls per (snippet, concurrency)")
     p.add_argument("--workers", type=int, default=0, help="cluster workers (default: number of cores)")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved blocks per mode (fair under background load)")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved blocks per mode (fair under background load)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (tables go to stderr)")
     p.set_defaults(func=cmd_bench)
     return parser

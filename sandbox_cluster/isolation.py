@@ -95,16 +95,16 @@ _KEEP_WRITABLE = ("/proc", "/sys", "/dev")
 _MOUNT_FLAG_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
 
 
-def remount_read_only() -> int:
-    """Make every mount but /proc, /sys and /dev read-only (in the caller's private mount
-    namespace), so a cell can write nowhere on the host (e.g. a world-writable /run/lock)."""
+def remount_read_only(keep: list[str]) -> int:
+    """Make every mount but ``keep``, /proc, /sys and /dev read-only (in the caller's private
+    mount namespace), so a cell can write nowhere on the host (e.g. a world-writable /run/lock)."""
     done = 0
     with open("/proc/self/mountinfo") as f:
         lines = f.read().splitlines()
     for line in lines:
         fields = line.split()
         target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if any(target == keep or target.startswith(keep + "/") for keep in _KEEP_WRITABLE):
+        if target in keep or any(target == k or target.startswith(k + "/") for k in _KEEP_WRITABLE):
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in fields[5].split(","):

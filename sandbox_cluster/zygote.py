@@ -32,6 +32,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
 
 import msgspec
@@ -174,7 +175,9 @@ class Zygote:
         self.seccomp = None
         self.swap_accounting = False
         self.can_switch_uid = os.geteuid() == 0
-        self.tmpfs_dirs: list[str] = []
+        self.tmpfs_dirs: list[str] = []  # our own tmpfs mounts (private mount namespace)
+        self.workdir = isolation.WORKDIR
+        self._scratch_dirs: list[str] = []  # what is wiped after each cell: only dirs this zygote owns
         self._oom_kills = 0
         # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
@@ -226,11 +229,12 @@ class Zygote:
         def private_tmp() -> str:
             isolation.unshare(isolation.CLONE_NEWNS)
             isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
+            self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
             try:
-                read_only[0] = f"{isolation.remount_read_only()} mounts read-only (all but /proc, /sys, /dev)"
+                done = isolation.remount_read_only(keep=self.tmpfs_dirs)
+                read_only[0] = f"{done} mounts read-only (all but the scratch tmpfs, /proc, /sys, /dev)"
             except OSError as exc:
                 read_only[0] = exc
-            self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
             if isinstance(pid_namespace, str):
                 try:  # a /proc that shows this pid namespace only
                     isolation.mount("proc", "/proc", "proc",
@@ -239,8 +243,13 @@ class Zygote:
                     pid_ns[0] = exc
             return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
 
-        if self._protect("private_tmpfs", private_tmp) is None:
-            os.makedirs(isolation.WORKDIR, exist_ok=True)
+        if self._protect("private_tmpfs", private_tmp) is not None:
+            self._scratch_dirs = list(self.tmpfs_dirs)
+        else:  # degraded (reported): a fresh private dir on the host, never a shared one like /tmp
+            self.workdir = tempfile.mkdtemp(prefix=f"sandbox-cell-{self.uid}-")
+            if self.can_switch_uid:
+                os.chown(self.workdir, self.uid, self.gid)
+            self._scratch_dirs = [self.workdir]
 
         def read_only_filesystem() -> str:
             if isinstance(read_only[0], Exception):
@@ -304,11 +313,14 @@ class Zygote:
         for cg in (self.memory_cg, self.pids_cg):
             if cg is not None:
                 cg.remove()
+        if self.workdir != isolation.WORKDIR:  # the degraded mode's own dir
+            isolation.wipe_dir(self.workdir)
+            os.rmdir(self.workdir)
 
     # ---- per request
 
     def execute(self, req: ExecRequest) -> ExecResult:
-        for d in self.tmpfs_dirs or [isolation.WORKDIR]:
+        for d in self._scratch_dirs:
             isolation.wipe_dir(d)
         mem_bytes = req.memory_mb << 20
         if self.memory_cg is not None:
@@ -489,7 +501,7 @@ class Zygote:
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
             os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-            os.chdir(isolation.WORKDIR)
+            os.chdir(self.workdir)
             lim = self.limits
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 1))
