@@ -95,6 +95,8 @@ class _TurnResult:
     text: str
     requests: int
     seconds: float
+    error: str | None = None  # the engine request raised (finish is ABORT)
+    discarded: int = 0  # sampled tokens past the closing fence, dropped (0 unless an engine missed a stop)
 
 
 class TIRRollout:
@@ -171,19 +173,21 @@ class TIRRollout:
             traj.engine_requests += tr.requests
             traj.timings.generation_s += tr.seconds
             cls = classify_turn(prefix + tr.text, tr.finish)
-            turn = Turn(index=turn_index, kind=cls.kind, reason=cls.reason, finish_reason=tr.finish,
+            reason = cls.reason if tr.error is None else f"engine error: {tr.error}"
+            turn = Turn(index=turn_index, kind=cls.kind, reason=reason, finish_reason=tr.finish,
                         start=len(traj.response_ids), model_tokens=len(tr.ids), text=tr.text, code=cls.code,
-                        answer=cls.answer, requests=tr.requests, generation_s=tr.seconds)
+                        answer=cls.answer, requests=tr.requests, generation_s=tr.seconds,
+                        discarded_tokens=tr.discarded)
             traj.append_model_tokens(tr.ids, tr.logprobs)
             traj.turns.append(turn)
             if cls.answer is not None:
                 answers.append((cls.answer, "model"))
 
+            if tr.finish is FinishReason.ABORT:  # not the model's doing, whatever the text holds
+                traj.status = FinishStatus.ABORTED
+                break
             if cls.kind is TurnKind.VOID:
-                if tr.finish is FinishReason.ABORT:
-                    traj.status = FinishStatus.ABORTED
-                else:
-                    traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
+                traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
                 break
             if cls.kind is TurnKind.ANSWER:
                 traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
@@ -237,22 +241,37 @@ class TIRRollout:
         requests = 0
         seconds = 0.0
         text = ""
+        error = None
+        discarded = 0
         while True:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
                                     top_k=cfg.top_k, stop=stop_strings(prefix + text), seed=rng.getrandbits(63))
             t0 = time.perf_counter()
-            gen = await self.engine.generate(context + ids, params)
+            try:
+                gen = await self.engine.generate(context + ids, params)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed request is a recorded abort, not a crash
+                log.error("engine request failed: %s: %s", type(exc).__name__, exc)
+                seconds += time.perf_counter() - t0
+                error = f"{type(exc).__name__}: {exc}"
+                finish = FinishReason.ABORT
+                break
             seconds += time.perf_counter() - t0
             requests += 1
             ids.extend(gen.token_ids)
             logprobs.extend(gen.logprobs)
             text = self._decode(ids)
             finish = gen.finish_reason
+            if finish is not FinishReason.ABORT and classify_turn(prefix + text, finish).kind is TurnKind.CODE:
+                n = len(ids)
+                ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
+                discarded = n - len(ids)
+                if discarded:
+                    finish = FinishReason.STOP  # the turn ends at the fence, before what the engine ended on
+                break
             if finish is not FinishReason.STOP:
                 break  # EOS, LENGTH or ABORT end the turn
-            if classify_turn(prefix + text, finish).kind is TurnKind.CODE:
-                ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
-                break
             if not gen.token_ids:  # an engine that stops without sampling would loop forever
                 log.error("engine returned STOP with no tokens; ending the turn as aborted")
                 finish = FinishReason.ABORT
@@ -260,7 +279,8 @@ class TIRRollout:
             if len(ids) >= budget:
                 finish = FinishReason.LENGTH
                 break
-        return _TurnResult(ids=ids, logprobs=logprobs, finish=finish, text=text, requests=requests, seconds=seconds)
+        return _TurnResult(ids=ids, logprobs=logprobs, finish=finish, text=text, requests=requests, seconds=seconds,
+                           error=error, discarded=discarded)
 
     def _trim_overshoot(self, ids: list[int], logprobs: list[float], text: str, prefix: str):
         """Keep the turn ending at the token that closes the code block.

@@ -66,6 +66,7 @@ class Turn:
     answer: str | None = None  # last \boxed{} in the turn's prose
     tool: ToolCall | None = None
     requests: int = 0  # engine requests the turn took (phases)
+    discarded_tokens: int = 0  # sampled past the closing fence and dropped (0 unless an engine missed a stop)
     generation_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -24,15 +24,21 @@ SCRIPTED_LOGPROB = -0.25
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, script: Callable[[str], str], *, seconds_per_token: float = 0.0) -> None:
+    def __init__(self, tokenizer, script: Callable[[str], str], *, seconds_per_token: float = 0.0,
+                 honor_stops: bool = True, fail_on_call: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.script = script
         self.seconds_per_token = seconds_per_token
+        self.honor_stops = honor_stops  # False: an engine whose stop matching misses (driver must cope)
+        self.fail_on_call = fail_on_call  # raise on this call index (a server error)
         self.eos_token_ids = (tokenizer.eos_token_id,)
         self.calls: list[dict] = []  # every request: prompt length, params, output, timing
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         t0 = time.perf_counter()
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            self.calls.append({"failed": True})
+            raise RuntimeError("scripted server error")
         context = list(prompt_ids)
         text = self.script(self.tokenizer.decode(context, skip_special_tokens=False))
         turn_ids = list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.eos_token_ids[0]]
@@ -41,7 +47,7 @@ class ScriptedEngine:
             if context[-k:] == turn_ids[:k]:
                 done = k
                 break
-        matcher = StopStringMatcher(self.tokenizer, params.stop)
+        matcher = StopStringMatcher(self.tokenizer, params.stop if self.honor_stops else ())
         out: list[int] = []
         finish, matched = FinishReason.LENGTH, None
         for tok in turn_ids[done:]:

@@ -47,8 +47,8 @@ def sandbox(sandbox_cluster):
     sb.close()
 
 
-def rollout(tok, sandbox, script, verifier=None, problems=(PROBLEM,), seconds_per_token=0.0, **cfg):
-    engine = ScriptedEngine(tok, script, seconds_per_token=seconds_per_token)
+def rollout(tok, sandbox, script, verifier=None, problems=(PROBLEM,), seconds_per_token=0.0, engine_kw=None, **cfg):
+    engine = ScriptedEngine(tok, script, seconds_per_token=seconds_per_token, **(engine_kw or {}))
     cfg.setdefault("max_response_tokens", 512)
     driver = TIRRollout(engine, tok, sandbox, RolloutConfig(**cfg), verifier=verifier)
     groups = asyncio.run(driver.run(list(problems)))
@@ -210,3 +210,26 @@ def test_rollout_config_validation():
         RolloutConfig(tool_memory_mb=1)
     with pytest.raises(ValueError, match="response_prefix"):
         PromptConfig(response_prefix="```python\nprint(1)\n```\n")
+
+
+def test_engine_running_past_the_fence_is_trimmed_to_the_block(smollm2_tokenizer, sandbox, caplog):
+    turn0 = "```python\nprint(5)\n```\nand then the engine kept going without stopping"
+    engine, groups = rollout(smollm2_tokenizer, sandbox, per_turn(turn0, "\\boxed{5}"),
+                             engine_kw={"honor_stops": False})
+    (t,) = groups[0].trajectories
+    assert t.turns[0].text == "```python\nprint(5)\n```"  # trimmed at the token closing the block
+    assert t.turns[0].tool.stdout == "5\n" and t.status is FinishStatus.COMPLETED
+    assert "past a closing code fence" in caplog.text
+    assert t.turns[0].discarded_tokens == len(engine.calls[0]["token_ids"]) - t.turns[0].model_tokens > 0
+    # the kept model tokens are a prefix of what the engine returned for that turn
+    first = engine.calls[0]["token_ids"]
+    assert t.response_ids[:t.turns[0].model_tokens] == first[:t.turns[0].model_tokens]
+
+
+def test_engine_error_is_a_recorded_abort(smollm2_tokenizer, sandbox):
+    turn0 = "```python\nprint(5)\n```"
+    _, groups = rollout(smollm2_tokenizer, sandbox, per_turn(turn0, "\\boxed{5}"), engine_kw={"fail_on_call": 2})
+    (t,) = groups[0].trajectories
+    assert t.status is FinishStatus.ABORTED and not t.trainable and not t.void
+    assert t.turns[-1].reason == "engine error: RuntimeError: scripted server error"
+    assert t.turns[0].tool.stdout == "5\n"
