@@ -60,8 +60,10 @@ Not protected:
 - the zygote shares its slot's memory cgroup with the cell (cells are born there: a v1
   cgroup migration per cell costs milliseconds). Cells get ``oom_score_adj=1000`` so the
   OOM killer takes them first, but a cell can lower that back to 0 and, by unmapping its
-  inherited memory while filling tmpfs, make the zygote the victim: that request is then
-  retried once and answered ``sandbox_error``, and the zygote is restarted (a bounded DoS);
+  inherited memory while filling tmpfs, make the zygote the victim (the scratch tmpfs is
+  wiped right after the cell's tree is killed, but the zygote runs in between): that
+  request is then retried once and answered ``sandbox_error``, and the zygote is restarted
+  (a bounded DoS);
 - the interpreter and libraries of the host are whatever the worker runs; the cell can
   import any installed module (including ctypes) within the limits above.
 """

@@ -179,6 +179,10 @@ class Zygote:
         self.workdir = isolation.WORKDIR
         self._scratch_dirs: list[str] = []  # what is wiped after each cell: only dirs this zygote owns
         self._oom_kills = 0
+        self._memory_limit = -1  # what memory.limit_in_bytes holds now (-1: none)
+        self._vm_size = 0  # the zygote's own address-space size (cells get it + memory_mb)
+        self._served = 0
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
             io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"),
@@ -320,21 +324,23 @@ class Zygote:
     # ---- per request
 
     def execute(self, req: ExecRequest) -> ExecResult:
-        for d in self._scratch_dirs:
-            isolation.wipe_dir(d)
         mem_bytes = req.memory_mb << 20
-        if self.memory_cg is not None:
+        if self.memory_cg is not None and mem_bytes != self._memory_limit:
             try:
                 isolation.set_memory_limit(self.memory_cg, mem_bytes, self.swap_accounting)
             except OSError as exc:
                 self._lift_memory_limit()
                 return ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"cgroup memory limit: {exc}")
-        vm_size = _vm_size_bytes()
+            self._memory_limit = mem_bytes
+        if self._served % 64 == 0:  # it barely changes once warm
+            self._vm_size = _vm_size_bytes()
+        self._served += 1
+        vm_size = self._vm_size
         cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
 
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC) if req.stdin else os.open(os.devnull, os.O_RDONLY)
+        stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC) if req.stdin else self._devnull
         if req.stdin:
             os.write(stdin_fd, req.stdin.encode())
             os.lseek(stdin_fd, 0, os.SEEK_SET)
@@ -343,14 +349,15 @@ class Zygote:
         try:
             pid = os.fork()
         except OSError:
-            for fd in (out_r, out_w, err_r, err_w, stdin_fd):
+            for fd in (out_r, out_w, err_r, err_w) + ((stdin_fd,) if req.stdin else ()):
                 os.close(fd)
             raise
         if pid == 0:  # ---------------------------------------------------- the cell
             self._child(req, stdin_fd, out_w, err_w, vm_size + mem_bytes, cpu_limit)
         os.close(out_w)
         os.close(err_w)
-        os.close(stdin_fd)
+        if req.stdin:
+            os.close(stdin_fd)
         verdict, wall, exit_status, rusage, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
         stdout, stdout_trunc = captures[0].render()
         stderr, stderr_trunc = captures[1].render()
@@ -427,7 +434,7 @@ class Zygote:
             _, exit_status, rusage = os.wait4(pid, 0)
             wall = (exited_at or time.monotonic()) - start
             self._kill_tree(pid)
-            self._lift_memory_limit()
+            self._wipe_scratch()  # before anything else: what the cell left in tmpfs counts in our cgroup
             for fd, cap in streams.items():  # every writer is dead now: drain what is buffered
                 os.set_blocking(fd, False)
                 while True:
@@ -447,14 +454,18 @@ class Zygote:
     def recover(self) -> None:
         """After an unexpected error mid-request: no process of the cell may survive it."""
         self._kill_tree(-1)
+        self._wipe_scratch()
         self._lift_memory_limit()
 
+    def _wipe_scratch(self) -> None:
+        for d in self._scratch_dirs:
+            isolation.wipe_dir(d)
+
     def _lift_memory_limit(self) -> None:
-        """Between cells the zygote is alone in the memory cgroup: no limit, so it can never be
-        stuck at the limit with nothing to kill (what a dead cell left in tmpfs counts there)."""
         if self.memory_cg is not None:
             try:
                 isolation.set_memory_limit(self.memory_cg, -1, self.swap_accounting)
+                self._memory_limit = -1
             except OSError as exc:
                 log.error("could not lift the memory limit: %s", exc)
 
