@@ -186,3 +186,19 @@ def test_overloaded_when_the_queue_is_full_and_retry_succeeds():
         finally:
             no_retry.close()
             retry.close()
+
+
+@pytest.mark.slow
+def test_one_worker_with_several_slots_runs_them_in_parallel():
+    with LocalCluster(workers=1, slots_per_worker=2) as cluster, SandboxClient(cluster.address) as client:
+        (worker,) = client.status().workers
+        assert (worker.slots, worker.free, len(set(worker.uids))) == (2, 2, 2)
+
+        async def two():
+            return await asyncio.gather(*(client.arun("import os, time\ntime.sleep(1)\nprint(os.getuid())")
+                                          for _ in range(2)))
+
+        start = time.monotonic()
+        results = asyncio.run(two())
+        assert time.monotonic() - start < 1.9  # side by side, not one after the other
+        assert sorted(int(r.stdout) for r in results) == sorted(worker.uids)  # one slot (and user) each
