@@ -177,8 +177,9 @@ class SandboxClient:
             try:
                 result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                state.pending.pop(rid, None)
                 return self._deadline_result(rid, time.monotonic() - start)
+            finally:  # answered, timed out or cancelled by the caller: nothing waits for this id now
+                state.pending.pop(rid, None)
             if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded
                     or time.monotonic() + backoff >= deadline):
                 return result

@@ -202,3 +202,19 @@ def test_one_worker_with_several_slots_runs_them_in_parallel():
         results = asyncio.run(two())
         assert time.monotonic() - start < 1.9  # side by side, not one after the other
         assert sorted(int(r.stdout) for r in results) == sorted(worker.uids)  # one slot (and user) each
+
+
+def test_cancelled_arun_leaves_nothing_behind(client):
+    async def cancel_one():
+        task = asyncio.ensure_future(client.arun("import time; time.sleep(0.5)"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pending = dict(client._async.pending)
+        after = await client.arun("print('after')")
+        return pending, after
+
+    pending, after = asyncio.run(cancel_one())
+    assert pending == {}
+    assert after.stdout == "after\n"
