@@ -151,7 +151,10 @@ def _read_bytes(path: str) -> bytes:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sandbox-cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="sandbox-cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Isolated, warm execution of model-written Python over ZeroMQ.",
+        epilog="examples:\n" + __doc__.split("\n\n", 1)[1])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
