@@ -112,7 +112,7 @@ def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.Tens
 
 def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
     """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
-    from megatron.core import dist_checkpointing
+    from checkpoints_tools.dist_writer import save_sharded
 
     hf_dir = resolve_model(hf)
     spec, config = spec_from_hf_dir(hf_dir)
@@ -130,7 +130,7 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
             assert tuple(template.data.shape) == tuple(tensor.shape), (p.megatron, template.data.shape, tensor.shape)
             template.data = tensor
         t1 = time.perf_counter()
-        dist_checkpointing.save(sharded, str(tmp))
+        save_sharded(sharded, tmp)
         del sharded
         log.info("read + converted %d tensors in %.2f s; dist_checkpointing.save took %.2f s",
                  len(plans), t1 - t0, time.perf_counter() - t1)
