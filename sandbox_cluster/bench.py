@@ -126,14 +126,15 @@ def cluster_block(client, snippet: str, expected: str, n: int, concurrency: int)
 
 
 class BareForkServer:
-    """A warm zygote without any isolation, in its own process (no ZeroMQ threads there)."""
+    """A warm zygote without any isolation, in its own process (no ZeroMQ threads there); it
+    gets the same scheduling boost as the cluster's zygotes, its children the same as cells."""
 
-    def __init__(self, snippet: str) -> None:
+    def __init__(self, snippet: str, priority_boost: int = 5) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from sandbox_cluster.bench import bare_fork_main; bare_fork_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, **_THREAD_ENV), text=True,
         )
-        self.proc.stdin.write(json.dumps({"snippet": snippet}) + "\n")
+        self.proc.stdin.write(json.dumps({"snippet": snippet, "priority_boost": priority_boost}) + "\n")
         self.proc.stdin.flush()
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("bare fork baseline did not start")
@@ -167,9 +168,12 @@ def bare_fork_main() -> None:
     """Fork from a warm interpreter, run the snippet with stdout on a pipe, read it, reap. Nothing else."""
     import gc
 
+    from .isolation import boost_priority
     from .zygote import warm_up
 
-    code = compile(json.loads(sys.stdin.readline())["snippet"], "<cell>", "exec")
+    args = json.loads(sys.stdin.readline())
+    code = compile(args["snippet"], "<cell>", "exec")
+    child_nice = boost_priority(args["priority_boost"])
     warm_up()
     gc.collect()
     gc.freeze()
@@ -179,6 +183,7 @@ def bare_fork_main() -> None:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.setpriority(os.PRIO_PROCESS, 0, child_nice)
             os.close(r)
             os.dup2(w, 1)
             sys.stdout = open(1, "w", closefd=False)

@@ -32,7 +32,9 @@ def _limits(text: str | None):
 
 def cmd_broker(args: argparse.Namespace) -> int:
     from .broker import Broker, BrokerConfig
+    from .isolation import boost_priority
 
+    boost_priority(args.priority_boost)  # before the ZeroMQ threads start: they inherit it
     broker = Broker(BrokerConfig(bind=args.bind, worker_bind=args.worker_bind or "", max_queue=args.max_queue,
                                  heartbeat_interval_s=args.heartbeat_interval,
                                  heartbeat_liveness=args.heartbeat_liveness))
@@ -43,11 +45,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from .isolation import boost_priority
     from .worker import Worker, WorkerConfig
 
-    config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=_limits(args.limits),
+    limits = _limits(args.limits)
+    cell_nice = boost_priority(args.priority_boost)  # the zygotes inherit the boost; cells get the old value
+    config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=limits,
                           heartbeat_interval_s=args.heartbeat_interval, heartbeat_liveness=args.heartbeat_liveness,
-                          uid_base=args.uid_base)
+                          uid_base=args.uid_base, cell_nice=cell_nice)
     Worker(config).run()
     return 0
 
@@ -161,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     def heartbeat(p: argparse.ArgumentParser) -> None:
         p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
         p.add_argument("--heartbeat-liveness", type=int, default=6, help="missed heartbeats before a peer is dead")
+        p.add_argument("--priority-boost", type=int, default=5, choices=range(0, 20), metavar="0..19",
+                       help="run this process (not the cells) this much nicer-than-nice (needs CAP_SYS_NICE)")
 
     p = sub.add_parser("serve", help="broker + local workers")
     p.add_argument("--bind", required=True, help="client endpoint, e.g. tcp://127.0.0.1:5555")

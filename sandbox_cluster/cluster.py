@@ -46,6 +46,7 @@ class LocalCluster:
         restart_workers: bool = True,
         env: dict[str, str] | None = None,
         log_level: str = "WARNING",
+        priority_boost: int = 5,
         start_timeout_s: float = 180.0,
         **limits,
     ) -> None:
@@ -53,6 +54,9 @@ class LocalCluster:
             raise ValueError(f"workers={workers} outside [1, 512]")
         if not 1 <= slots_per_worker <= 256:
             raise ValueError(f"slots_per_worker={slots_per_worker} outside [1, 256]")
+        if not 0 <= priority_boost <= 19:
+            raise ValueError(f"priority_boost={priority_boost} outside [0, 19]")
+        self._priority_boost = priority_boost
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         try:
@@ -92,7 +96,8 @@ class LocalCluster:
     # ---- processes
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args]
+        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
+                "--priority-boost", str(self._priority_boost)]
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:
         interval, liveness = self._hb

@@ -159,6 +159,23 @@ def wipe_dir(path: str) -> None:
             pass
 
 
+# --------------------------------------------------------------------------- scheduling
+
+
+def boost_priority(boost: int) -> int:
+    """Lower the calling process's nice value by ``boost`` (before it starts threads: they
+    inherit it); returns the nice value it had, which cells get back. The broker, workers and
+    zygotes only wait and route, so running them ahead of the cells keeps heartbeats, timeouts
+    and hand-offs on time on a busy node. Needs CAP_SYS_NICE; without it nothing changes."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if boost:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, max(-20, base - boost))
+        except PermissionError:
+            log.info("cannot raise the scheduling priority (no CAP_SYS_NICE); running at nice %d", base)
+    return base
+
+
 # --------------------------------------------------------------------------- uids
 
 

@@ -44,6 +44,7 @@ class WorkerConfig:
     uid_base: int = 61000
     zygote_start_timeout_s: float = 120.0
     stuck_grace_s: float = 15.0  # a zygote silent this long past a request's timeout is killed
+    cell_nice: int | None = None  # nice value of cells (None: the zygote's own)
 
     def __post_init__(self) -> None:
         if "://" not in self.connect:
@@ -52,6 +53,8 @@ class WorkerConfig:
             raise ValueError(f"slots={self.slots} outside [1, 256]")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 2:
             raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_liveness >= 2")
+        if self.cell_nice is not None and not -20 <= self.cell_nice <= 19:
+            raise ValueError(f"cell_nice={self.cell_nice} outside [-20, 19]")
         if self.stuck_grace_s <= 0:
             raise ValueError(f"stuck_grace_s={self.stuck_grace_s} must be > 0")
         if not 1000 <= self.uid_base < 2**31 - 10000:
@@ -63,8 +66,9 @@ class WorkerConfig:
 class ZygoteProcess:
     """One slot: a zygote subprocess, its socketpair, and the request it is running."""
 
-    def __init__(self, index: int, uid_lease: UidLease, limits: SandboxLimits) -> None:
+    def __init__(self, index: int, uid_lease: UidLease, limits: SandboxLimits, cell_nice: int | None = None) -> None:
         self.index = index
+        self.cell_nice = cell_nice
         self.uid_lease = uid_lease
         self.limits = limits
         self.proc: subprocess.Popen | None = None
@@ -80,7 +84,8 @@ class ZygoteProcess:
         env = dict(CELL_ENV, PYTHONPATH=_PACKAGE_PARENT)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
-             "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid())],
+             "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid()),
+             *(["--cell-nice", str(self.cell_nice)] if self.cell_nice is not None else [])],
             env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
         )
         theirs.close()
@@ -171,7 +176,7 @@ class Worker:
             for i in range(self.config.slots):
                 lease = UidLease.acquire(self.config.uid_base)
                 self.leases.append(lease)
-                self.slots.append(ZygoteProcess(i, lease, self.config.limits))
+                self.slots.append(ZygoteProcess(i, lease, self.config.limits, self.config.cell_nice))
             for slot in self.slots:
                 slot.start()
             self._wait_zygotes_ready()

@@ -165,8 +165,9 @@ class _Capture:
 
 
 class Zygote:
-    def __init__(self, *, uid: int, limits: SandboxLimits) -> None:
+    def __init__(self, *, uid: int, limits: SandboxLimits, cell_nice: int | None = None) -> None:
         self.uid = uid
+        self.cell_nice = cell_nice
         self.gid = uid
         self.limits = limits
         self.protections: list[Protection] = []
@@ -504,6 +505,8 @@ class Zygote:
         """Runs in the forked cell; never returns."""
         try:
             os.setsid()
+            if self.cell_nice is not None:  # back to the worker's own priority (the zygote may run ahead)
+                os.setpriority(os.PRIO_PROCESS, 0, self.cell_nice)
             if self.memory_cg is not None:  # the cell shares the zygote's memory cgroup: it is the OOM victim
                 fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
                 os.write(fd, b"1000")
@@ -631,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uid", type=int, required=True)
     parser.add_argument("--limits", required=True)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--cell-nice", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s zygote[uid {args.uid}] %(levelname)s %(message)s")
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -640,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     pid_namespace = _enter_pid_namespace(args.fd)  # from here on: pid 1 of a new pid namespace
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sock = socket.socket(fileno=args.fd)
-    zygote = Zygote(uid=args.uid, limits=SandboxLimits.from_json(args.limits))
+    zygote = Zygote(uid=args.uid, limits=SandboxLimits.from_json(args.limits), cell_nice=args.cell_nice)
     try:
         zygote.setup(pid_namespace)
         warm_up()

@@ -313,3 +313,12 @@ def test_no_sysv_or_posix_ipc_objects(client):
     assert res.status is Status.OK, res
     assert res.stdout.splitlines() == ["-1 ENOSPC"] * 4
     assert_next_ok(client)
+
+
+def test_cells_do_not_inherit_the_zygotes_priority_boost(client, cluster):
+    res = client.run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))")
+    assert res.status is Status.OK, res
+    assert int(res.stdout) == os.getpriority(os.PRIO_PROCESS, 0)  # the nice value the workers started with
+    worker = psutil.Process(cluster.worker_pids[0])
+    assert worker.nice() == max(-20, int(res.stdout) - 5)  # LocalCluster's default priority_boost
+    assert_next_ok(client)
