@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import dataclasses
 import gc
 import io
 import logging
@@ -183,7 +184,7 @@ class Zygote:
         self._memory_limit = -1  # what memory.limit_in_bytes holds now (-1: none)
         self._vm_size = 0  # the zygote's own address-space size (cells get it + memory_mb)
         self._served = 0
-        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._spare: _Spare | None = None  # the next cell, forked ahead and waiting for its request
         # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
             io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"),
@@ -315,6 +316,7 @@ class Zygote:
         return "zygote exec'd with a minimal environment"
 
     def close(self) -> None:
+        self._drop_spare()
         for cg in (self.memory_cg, self.pids_cg):
             if cg is not None:
                 cg.remove()
@@ -323,6 +325,42 @@ class Zygote:
             os.rmdir(self.workdir)
 
     # ---- per request
+
+    def prepare_next(self) -> None:
+        """Fork the next cell now, while idle: it does the request-independent setup and waits,
+        so a request does not wait for fork() (milliseconds for a warm interpreter)."""
+        if self._spare is None:
+            try:
+                self._spare = self._spawn()
+            except OSError as exc:
+                log.warning("could not fork a cell ahead of time: %s", exc)
+
+    def _spawn(self) -> _Spare:
+        ctrl_r, ctrl_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (ctrl_r, ctrl_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        if pid == 0:  # ---------------------------------------------------- the cell
+            self._child(ctrl_r, out_w, err_w)
+        for fd in (ctrl_r, out_w, err_w):
+            os.close(fd)
+        return _Spare(pid=pid, ctrl_w=ctrl_w, out_r=out_r, err_r=err_r)
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            for fd in (spare.ctrl_w, spare.out_r, spare.err_r):
+                os.close(fd)
+            try:
+                os.kill(spare.pid, signal.SIGKILL)
+                os.waitpid(spare.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
     def execute(self, req: ExecRequest) -> ExecResult:
         mem_bytes = req.memory_mb << 20
@@ -339,26 +377,15 @@ class Zygote:
         vm_size = self._vm_size
         cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
 
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC) if req.stdin else self._devnull
-        if req.stdin:
-            os.write(stdin_fd, req.stdin.encode())
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
-
+        spare, self._spare = self._spare or self._spawn(), None
         start = time.monotonic()
-        try:
-            pid = os.fork()
-        except OSError:
-            for fd in (out_r, out_w, err_r, err_w) + ((stdin_fd,) if req.stdin else ()):
-                os.close(fd)
-            raise
-        if pid == 0:  # ---------------------------------------------------- the cell
-            self._child(req, stdin_fd, out_w, err_w, vm_size + mem_bytes, cpu_limit)
-        os.close(out_w)
-        os.close(err_w)
-        if req.stdin:
-            os.close(stdin_fd)
+        try:  # the waiting cell reads its request, then drops privileges and runs it
+            _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit) + encode(req))
+        except BrokenPipeError:
+            pass  # it died during its setup: its exit status says why
+        finally:
+            os.close(spare.ctrl_w)
+        pid, out_r, err_r = spare.pid, spare.out_r, spare.err_r
         verdict, wall, exit_status, rusage, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
         stdout, stdout_trunc = captures[0].render()
         stderr, stderr_trunc = captures[1].render()
@@ -454,6 +481,7 @@ class Zygote:
 
     def recover(self) -> None:
         """After an unexpected error mid-request: no process of the cell may survive it."""
+        self._drop_spare()
         self._kill_tree(-1)
         self._wipe_scratch()
         self._lift_memory_limit()
@@ -501,8 +529,9 @@ class Zygote:
                 pass
         isolation.reap_zombies()
 
-    def _child(self, req: ExecRequest, stdin_fd: int, out_w: int, err_w: int, as_limit: int, cpu_limit: int):
-        """Runs in the forked cell; never returns."""
+    def _child(self, ctrl_r: int, out_w: int, err_w: int):
+        """Runs in the forked cell; never returns. Everything up to reading the request is done
+        ahead of time (see ``prepare_next``); the request's code runs only after the drop."""
         try:
             os.setsid()
             if self.cell_nice is not None:  # back to the worker's own priority (the zygote may run ahead)
@@ -511,28 +540,40 @@ class Zygote:
                 fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
                 os.write(fd, b"1000")
                 os.close(fd)
-            os.dup2(stdin_fd, 0)
+            os.dup2(ctrl_r, 0)  # the request comes in on fd 0; the cell's stdin replaces it below
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
             os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
             os.chdir(self.workdir)
             lim = self.limits
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
             resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb << 20, lim.max_file_mb << 20))
             resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
             resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
+            isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+            sys.stdin, sys.stdout, sys.stderr = self._stdio
+            sys.argv = ["<cell>"]
+            message = _read_to_eof(0)  # ------------------------------- waits here for its request
+            if not message:
+                os._exit(0)  # the zygote shut down before a request came
+            as_limit, cpu_limit = _CELL_HEADER.unpack_from(message)
+            req = decode_request(message[_CELL_HEADER.size:])
+            stdin_fd = os.memfd_create("stdin") if req.stdin else os.open(os.devnull, os.O_RDONLY)
+            if req.stdin:
+                os.write(stdin_fd, req.stdin.encode())
+                os.lseek(stdin_fd, 0, os.SEEK_SET)
+            os.dup2(stdin_fd, 0)
+            os.close(stdin_fd)
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 1))
+            resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
             if self.can_switch_uid:
                 os.setgroups([])
                 os.setresgid(self.gid, self.gid, self.gid)
                 os.setresuid(self.uid, self.uid, self.uid)
-            isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+            isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)  # a uid change cleared it
             if os.environ.keys() != CELL_ENV.keys():  # the zygote's is already exactly CELL_ENV
                 os.environ.clear()
                 os.environ.update(CELL_ENV)
-            sys.stdin, sys.stdout, sys.stderr = self._stdio
-            sys.argv = ["<cell>"]
         except BaseException as exc:  # noqa: BLE001
             os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
             os._exit(EXIT_SETUP)
@@ -550,6 +591,30 @@ class Zygote:
                 os.write(2, f"sandbox setup failed: seccomp: {exc}\n".encode())
                 os._exit(EXIT_SETUP)
         os._exit(_run_cell(req.code))
+
+
+@dataclasses.dataclass(slots=True)
+class _Spare:
+    pid: int
+    ctrl_w: int  # the request goes here
+    out_r: int
+    err_r: int
+
+
+_CELL_HEADER = struct.Struct("!QI")  # address-space limit (bytes), CPU limit (s); then the request
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_to_eof(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _run_cell(code: str) -> int:
@@ -652,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         zygote.enter_cgroups()
         gc.freeze()
         send_frame(sock, encode_msg(_ZygoteHello(protections=zygote.protections)))
+        zygote.prepare_next()
         while True:
             frame = recv_frame(sock)
             if frame is None:
@@ -668,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                 zygote.recover()
                 result = ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"zygote: {exc}")
             send_frame(sock, encode(result))
+            zygote.prepare_next()  # after the reply: forking the next cell is off the request's path
     except (ConnectionError, BrokenPipeError):
         return 0
     finally:
