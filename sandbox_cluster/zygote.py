@@ -10,11 +10,14 @@ namespace (size-limited private tmpfs over /tmp, /var/tmp and /dev/shm), creates
 memory and pids cgroups, builds the seccomp filter, imports and *exercises* numpy and sympy,
 then freezes the GC so forked children do not copy-on-write the warm heap.
 
-Per request the forked child: starts a new session, joins the cgroups, gets fresh stdio
-pipes, closes every other fd, chdirs into the private /tmp, sets rlimits, drops to the
-slot's uid/gid, gets a minimal environment, loads seccomp, and runs the code in-process
-with the warm modules. The zygote (a child subreaper) enforces the wall clock and the
-output cap, then kills the cell's whole process tree and wipes the tmpfs.
+The next cell is forked ahead of its request, while the slot is idle (fork() of a warm
+interpreter costs milliseconds): born in the slot's cgroups, it starts a new session, gets
+fresh stdio pipes, closes every other fd, chdirs into the private /tmp, sets the
+request-independent rlimits and waits, still root but having run no foreign code, for its
+request on a pipe. Then it sets the CPU and address-space limits, drops to the slot's
+uid/gid, loads seccomp, and runs the code in-process with the warm modules. The zygote
+(pid 1 of its namespace, a child subreaper) enforces the wall clock and the output cap,
+then kills the cell's whole process tree and wipes the tmpfs before it answers.
 """
 
 from __future__ import annotations
