@@ -5,10 +5,13 @@ neither its memory nor ``/proc/<pid>/environ`` holds the worker's secrets), hand
 end of a socketpair, and speaks length-prefixed msgpack over it: requests in, results out.
 The zygote holds no ZeroMQ state (ZeroMQ's threads do not survive ``fork``).
 
-At start the zygote enters its own network namespace (only a down loopback) and mount
-namespace (size-limited private tmpfs over /tmp, /var/tmp and /dev/shm), creates the slot's
-memory and pids cgroups, builds the seccomp filter, imports and *exercises* numpy and sympy,
-then freezes the GC so forked children do not copy-on-write the warm heap.
+At start the zygote becomes pid 1 of its own pid namespace, enters its own network
+namespace (only a down loopback), IPC namespace (SysV IPC and POSIX queues disabled) and
+mount namespace (size-limited private tmpfs over /tmp, /var/tmp and /dev/shm, every other
+host mount but /proc, /sys and /dev read-only, a /proc of its pid namespace), creates the
+slot's memory and pids cgroups, compiles the seccomp filter, imports and *exercises* numpy
+and sympy, moves into its cgroups and freezes the GC so forked children do not
+copy-on-write the warm heap. Each layer the host refuses is reported, not skipped.
 
 The next cell is forked ahead of its request, while the slot is idle (fork() of a warm
 interpreter costs milliseconds): born in the slot's cgroups, it starts a new session, gets
