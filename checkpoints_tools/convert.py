@@ -2,14 +2,15 @@
 
 HF -> Megatron: the HF config gives a ``ModelSpec``; a GPTModel built on the meta device
 (TP=1, PP=1: global shapes, no memory) gives the sharded-state-dict templates, i.e. the
-exact keys, layer stacking and SwiGLU split megatron-core uses; each template is filled
-with its tensor converted from the HF tensors (read one at a time) and the lot is saved
-with ``dist_checkpointing.save`` into a temp dir renamed at the end. Peak memory: the
-model's tensors once (the saved state dict), plus one tensor in flight.
+exact keys, layer stacking and SwiGLU split megatron-core uses. ``dist_checkpointing.save``
+(with ``dist_writer``'s in-process torch_dist writer) saves those templates, still meta
+tensors, into a temp dir renamed at the end; each stored chunk is converted from the HF
+tensors (read one at a time) at the moment it is written. Peak memory: about one tensor.
 
 Megatron -> HF: the same templates say where each tensor lives (sharded key, layer
-offset, SwiGLU halves); each is read alone from the torch_dist files (``dist_reader``)
-and written straight into a streaming safetensors writer. Peak memory: one tensor.
+offset, SwiGLU halves); each is read alone from the torch_dist files (``dist_reader``,
+files kept open, chunks loaded in place) and written straight into a streaming
+safetensors writer. Peak memory: one tensor.
 """
 
 from __future__ import annotations
@@ -110,6 +111,48 @@ def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.Tens
     return table[st_dtype]
 
 
+def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFReader, spec: ModelSpec) -> dict:
+    """``{(sharded key, global offset): fn}`` making each stored chunk from the HF tensors when it is
+    written. The templates stay meta tensors; a SwiGLU ``linear_fc1`` (a factory of two halves,
+    which megatron-core concatenates) gets the HF gate and up tensors as its two halves."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def check(p, shape):
+        def produce():
+            tensor = keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec)
+            if tuple(tensor.shape) != tuple(shape):
+                raise AssertionError(f"{p.megatron}: converted shape {list(tensor.shape)}, expected {list(shape)}")
+            return tensor
+        return produce
+
+    def half(p, i, shape):
+        def produce():
+            tensor = reader.get(p.hf[i])
+            if tuple(tensor.shape) != tuple(shape):
+                raise AssertionError(f"{p.hf[i]}: shape {list(tensor.shape)}, expected {list(shape)}")
+            return tensor
+        return produce
+
+    producers = {}
+    for p in plans:
+        template = sharded[MODEL_PREFIX + p.megatron]
+        # the checkpoint stores the HF dtype (the meta model may build e.g. norms in float32)
+        template.data = torch.empty(template.data.shape, dtype=spec.torch_dtype, device="meta")
+        if hasattr(template, "dtype"):
+            template.dtype = spec.torch_dtype
+        if isinstance(template, ShardedTensorFactory):
+            leaves = template.build()
+            if not (p.transform == "gate_up" and len(leaves) == 2
+                    and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes))):
+                raise AssertionError(f"{p.megatron}: unexpected sharded factory {template}")
+            for i, leaf in enumerate(leaves):
+                producers[(leaf.key, tuple(leaf.global_offset))] = half(p, i, leaf.local_shape)
+        else:
+            assert tuple(template.data.shape) == tuple(p.megatron_shape), (p.megatron, template.data.shape)
+            producers[(template.key, tuple(template.global_offset))] = check(p, template.local_shape)
+    return producers
+
+
 def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
     """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
     from checkpoints_tools.dist_writer import save_sharded
@@ -124,16 +167,10 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
     with atomic_output_dir(out) as tmp:
         t0 = time.perf_counter()
         sharded = _model_templates(spec)
-        for p in plans:
-            tensor = keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec)
-            template = sharded[MODEL_PREFIX + p.megatron]
-            assert tuple(template.data.shape) == tuple(tensor.shape), (p.megatron, template.data.shape, tensor.shape)
-            template.data = tensor
-        t1 = time.perf_counter()
-        save_sharded(sharded, tmp)
+        producers = _tensor_producers(sharded, plans, reader, spec)
+        save_sharded(sharded, tmp, producers=producers)
         del sharded
-        log.info("read + converted %d tensors in %.2f s; dist_checkpointing.save took %.2f s",
-                 len(plans), t1 - t0, time.perf_counter() - t1)
+        log.info("read + converted + saved %d tensors in %.2f s", len(plans), time.perf_counter() - t0)
         copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
         write_meta(tmp, CheckpointMeta(model_spec=spec.to_dict(), hf_config=config, tp=tp, pp=pp,
                                        source=str(hf_dir)))
@@ -151,6 +188,23 @@ def read_megatron_tensor(reader: RegionReader, template, dtype: torch.dtype) -> 
         sizes = (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
         parts.append(reader.read(leaf.key, tuple(leaf.global_offset), sizes, dtype).view(leaf.local_shape))
     return template.merge_fn(parts) if isinstance(template, ShardedTensorFactory) else parts[0]
+
+
+def read_hf_tensors(reader: RegionReader, p: keymap.TensorPlan, template, spec: ModelSpec) -> list[torch.Tensor]:
+    """The HF tensors of one plan (in ``p.hf`` order), read from the checkpoint.
+
+    A SwiGLU ``linear_fc1`` is stored as its two halves (the factory's two leaves, which its
+    merge function concatenates); ``gate_up`` would split the concatenation again, so the
+    halves are read and returned as the gate and up tensors directly (no concat + split)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if p.transform == "gate_up" and isinstance(template, ShardedTensorFactory):
+        leaves = template.build()
+        if len(leaves) == 2 and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes)):
+            return [reader.read(leaf.key, tuple(leaf.global_offset),
+                                (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape),
+                                spec.torch_dtype).view(leaf.local_shape) for leaf in leaves]
+    return keymap.to_hf(p, read_megatron_tensor(reader, template, spec.torch_dtype), spec)
 
 
 def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
@@ -175,16 +229,16 @@ def megatron_to_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -
                for p in plans for n, s in zip(p.hf, p.hf_shapes)]
     with atomic_output_dir(out) as tmp:
         sharded = _model_templates(spec)
-        reader = RegionReader(ckpt)
-        with StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
+        with RegionReader(ckpt) as reader, \
+                StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
             for p in plans:
                 template = sharded[MODEL_PREFIX + p.megatron]
                 try:
-                    tensor = read_megatron_tensor(reader, template, spec.torch_dtype)
+                    tensors = read_hf_tensors(reader, p, template, spec)
                 except ValueError as e:
                     raise ValueError(f"checkpoint {ckpt} does not match its metadata ({spec.family}, "
                                      f"hidden {spec.hidden_size}, {spec.num_layers} layers): {e}") from None
-                for name, t in zip(p.hf, keymap.to_hf(p, tensor, spec)):
+                for name, t in zip(p.hf, tensors):
                     writer.write(name, t)
         hf_files = ckpt / HF_FILES_DIR
         if hf_files.is_dir():

@@ -2,19 +2,22 @@
 
 megatron-core's ``dist_checkpointing.load`` can load a partial state dict, but with one
 process it cannot describe a slice of a stacked tensor (it needs another rank to own the
-rest). Export reads layer by layer, so it uses PyTorch's own DCP reader directly:
-``FileSystemReader`` + read items computed by ``create_read_items_for_chunk_list`` for
-the requested box; whatever TP/PP wrote the chunks, the overlapping parts are copied.
+rest). Export reads layer by layer, so it reads the DCP files directly: PyTorch's
+``FileSystemReader`` gives the metadata, ``create_read_items_for_chunk_list`` the stored
+chunks that overlap the requested box (whatever TP/PP wrote them), and each chunk (one
+``torch.save`` record inside a ``.distcp`` file) is ``torch.load``-ed from its byte range
+of a file kept open, as PyTorch's reader does, without re-planning or re-opening per read.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 
@@ -25,40 +28,69 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return t
 
 
-class _IntoTensor(LoadPlanner):
-    """The minimal planner a StorageReader needs: copy read chunks into one destination tensor."""
+class _FileSlice(io.RawIOBase):
+    """Read-only, seekable view of ``length`` bytes at ``offset`` of an open file (what torch.load needs)."""
 
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.dest = dest
+    def __init__(self, f, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.end, self.pos = f, offset, offset + length, offset
 
-    def set_up_planner(self, *args, **kwargs):  # pragma: no cover - not used by read_data
-        pass
+    def readable(self) -> bool:
+        return True
 
-    def create_local_plan(self):  # pragma: no cover
-        raise NotImplementedError
+    def seekable(self) -> bool:
+        return True
 
-    def create_global_plan(self, global_plan):  # pragma: no cover
-        raise NotImplementedError
+    def tell(self) -> int:
+        return self.pos - self.start
 
-    def finish_plan(self, central_plan):  # pragma: no cover
-        return central_plan
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.pos, io.SEEK_END: self.end}[whence]
+        self.pos = min(max(base + pos, self.start), self.end)
+        return self.pos - self.start
 
-    def load_bytes(self, read_item, value):  # pragma: no cover - tensors only
-        raise AssertionError(f"unexpected non-tensor item {read_item}")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        return _narrow(self.dest, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.end - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
 
 
 class RegionReader:
-    """``read(key, offsets, sizes)`` -> that box of the global tensor ``key``."""
+    """``read(key, offsets, sizes)`` -> that box of the global tensor ``key``.
+
+    Files stay open between reads (``close()`` / context manager); each stored chunk that
+    overlaps the box is loaded straight from its place in the file, and when one chunk is
+    exactly the box (the usual case: one layer of a stacked tensor written at TP=1) the
+    loaded tensor is returned as is, without a second copy.
+    """
 
     def __init__(self, ckpt_dir: Path) -> None:
         self.dir = str(ckpt_dir)
-        self.metadata = FileSystemReader(self.dir).read_metadata()
+        self._fs_reader = FileSystemReader(self.dir)
+        self.metadata = self._fs_reader.read_metadata()
+        self.storage = self.metadata.storage_data
+        self._files: dict[str, object] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "RegionReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _file(self, relative_path: str):
+        f = self._files.get(relative_path)
+        if f is None:
+            f = self._files[relative_path] = open(Path(self.dir) / relative_path, "rb", buffering=0)
+        return f
 
     def tensor_meta(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -66,20 +98,42 @@ class RegionReader:
             raise ValueError(f"tensor {key!r} is not in checkpoint {self.dir}")
         return md
 
+    def _load_item(self, item: ReadItem) -> torch.Tensor:
+        info = self.storage[item.storage_index]
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"checkpoint {self.dir}: stream transforms {info.transform_descriptors} "
+                             f"are not supported")
+        stored = torch.load(_FileSlice(self._file(info.relative_path), info.offset, info.length),
+                            map_location="cpu", weights_only=True)
+        return _narrow(stored, item.storage_offsets, item.lengths)
+
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              dtype: torch.dtype | None = None) -> torch.Tensor:
         md = self.tensor_meta(key)
         if len(offsets) != len(md.size) or any(o + s > g for o, s, g in zip(offsets, sizes, md.size)):
             raise ValueError(f"tensor {key!r} has global shape {list(md.size)}; "
                              f"cannot read offsets {list(offsets)} sizes {list(sizes)}")
-        dest = torch.empty(sizes, dtype=dtype or md.properties.dtype)
+        dtype = dtype or md.properties.dtype
         items = create_read_items_for_chunk_list(
             key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
         covered = sum(int(torch.Size(i.lengths).numel()) for i in items)
-        if covered != dest.numel():
+        if covered != torch.Size(sizes).numel():
             raise ValueError(f"checkpoint {self.dir} does not hold all of {key!r} at {list(offsets)}")
-        reader = FileSystemReader(self.dir)
-        reader.set_up_storage_reader(self.metadata, True)
-        plan = reader.prepare_local_plan(LoadPlan(items))
-        reader.read_data(plan, _IntoTensor(dest)).wait()
+        if len(items) == 1 and tuple(items[0].lengths) == tuple(sizes):
+            t = self._load_item(items[0])
+            if tuple(t.shape) != tuple(sizes):
+                raise ValueError(f"checkpoint {self.dir}: chunk of {key!r} has shape {list(t.shape)}, "
+                                 f"expected {list(sizes)}")
+            if t.dtype == dtype and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+                return t
+            return t.to(dtype, copy=True).contiguous()
+        dest = torch.empty(sizes, dtype=dtype)
+        for item in sorted(items, key=lambda i: (self.storage[i.storage_index].relative_path,
+                                                 self.storage[i.storage_index].offset)):
+            part = self._load_item(item)
+            target = _narrow(dest, item.dest_offsets, item.lengths)
+            if target.shape != part.shape:
+                raise ValueError(f"checkpoint {self.dir}: chunk of {key!r} has shape {list(part.shape)}, "
+                                 f"expected {list(target.shape)}")
+            target.copy_(part)
         return dest

@@ -29,30 +29,69 @@ from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
                                                                mcore_to_pyt_state_dict)
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.planner import WriteItemType
 
 
 class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist v1, written by the calling thread (no manager process, no forked writers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, crc32: bool = False, producers: dict | None = None) -> None:
         super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=1)
+        self.crc32 = crc32
+        self.producers = producers
 
     def save(self, sharded_state_dict, checkpoint_dir: str | Path) -> None:
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                   flatten_state_dict=False)
-        dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+        planner_cls = _ProducingSavePlanner if self.producers is not None else MCoreSavePlanner
+        planner = planner_cls(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
+        if self.producers is not None:
+            planner.producers = self.producers
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(self.crc32)
+        try:
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+        finally:
+            torch.serialization.set_crc32_options(previous)
 
     def async_save(self, sharded_state_dict, checkpoint_dir):  # pragma: no cover - not used
         raise NotImplementedError("InProcessTorchDistSaveStrategy saves synchronously; use save()")
 
 
-def save_sharded(sharded_state_dict, checkpoint_dir: str | Path) -> None:
-    """``dist_checkpointing.save`` (common.pt, metadata.json, validation) with the in-process writer."""
+class _ProducingSavePlanner(MCoreSavePlanner):
+    """Asks ``producers[(sharded key, global offset)]()`` for each tensor chunk at the moment it
+    is written, so the state dict can hold meta tensors (shapes and dtypes only) and memory
+    holds one chunk at a time instead of the whole model."""
+
+    producers: dict
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        key = (write_item.index.fqn, tuple(write_item.index.offset))
+        produce = self.producers.get(key)
+        if produce is None:
+            return super().resolve_data(write_item)
+        tensor = produce()
+        chunk = write_item.tensor_data.chunk
+        props = write_item.tensor_data.properties
+        if tuple(tensor.shape) != tuple(chunk.sizes):  # e.g. the leading 1 of a stacked layer
+            tensor = tensor.reshape(tuple(chunk.sizes))
+        if tensor.dtype != props.dtype:
+            raise AssertionError(f"{key}: produced {tensor.dtype}, checkpoint metadata says {props.dtype}")
+        return tensor.detach().contiguous()
+
+
+def save_sharded(sharded_state_dict, checkpoint_dir: str | Path, *, crc32: bool = False,
+                 producers: dict | None = None) -> None:
+    """``dist_checkpointing.save`` (common.pt, metadata.json, validation) with the in-process writer.
+
+    ``producers``: optional ``{(sharded key, global offset tuple): fn() -> tensor}``; tensors
+    of the state dict with a producer may be meta tensors (their data is made when written).
+    """
     from megatron.core import dist_checkpointing
 
     if not torch.distributed.is_initialized():
         raise RuntimeError("save_sharded needs an initialized torch.distributed process group")
-    dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=InProcessTorchDistSaveStrategy())
+    dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=InProcessTorchDistSaveStrategy(crc32=crc32, producers=producers))

@@ -97,3 +97,38 @@ def test_sharded_export_and_run_dir_resolution(make_tiny_hf, convert_once, tmp_p
         with safe_open(out / fname, "pt") as f:
             assert torch.equal(f.get_tensor(name), ref[name]), name
     assert (iteration_dir(run, 100) / META_NAME).is_file()
+
+
+def test_hf_to_megatron_writes_in_process_and_megatron_core_reads_it(make_tiny_hf, tmp_path):
+    """The in-process writer starts no helper process, leaves torch's CRC option as it was, and
+    writes a torch_dist checkpoint that megatron-core itself recognises and loads."""
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from checkpoints_tools.convert import _model_templates, hf_to_megatron
+    from checkpoints_tools.hf_io import HFReader
+    from checkpoints_tools.keymap import plan
+
+    hf_dir = make_tiny_hf("qwen2", tie_word_embeddings=False)
+    before_crc = torch.serialization.get_crc32_options()
+    ckpt = hf_to_megatron(hf_dir, tmp_path / "ckpt")
+    assert torch.serialization.get_crc32_options() == before_crc
+    assert not multiprocessing.active_children()
+    assert filesystem_async._results_queue is None  # megatron-core's async writer never ran
+    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert [p.name for p in ckpt.glob("*.distcp")] == ["__0_0.distcp"]
+    spec = read_meta(ckpt).spec
+    templates = _model_templates(spec)
+    for t in templates.values():
+        if isinstance(getattr(t, "data", None), torch.Tensor) and t.data.is_meta:
+            t.data = torch.empty(t.data.shape, dtype=spec.torch_dtype)
+    loaded = dist_checkpointing.load(templates, str(ckpt))
+    reader = HFReader(hf_dir)
+    fc2 = loaded["model.decoder.layers.1.mlp.linear_fc2.weight"]
+    assert torch.equal(fc2, reader.get("model.layers.1.mlp.down_proj.weight"))
+    fc1 = loaded["model.decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([reader.get("model.layers.0.mlp.gate_proj.weight"),
+                                       reader.get("model.layers.0.mlp.up_proj.weight")]))
+    assert {p.megatron for p in plan(spec)} <= {k.removeprefix("model.") for k in loaded}
