@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import signal
 import time
 import uuid
@@ -131,7 +132,9 @@ class Broker:
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
 
-    def run(self, install_signal_handlers: bool = False) -> None:
+    def run(self, install_signal_handlers: bool = False, exit_with_parent: int | None = None) -> None:
+        """Serve until ``stop()`` (or SIGTERM/SIGINT when ``install_signal_handlers``); with
+        ``exit_with_parent=PID``, also once that process is no longer our parent (it died)."""
         if install_signal_handlers:
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
             signal.signal(signal.SIGINT, lambda *_: self.stop())
@@ -152,6 +155,9 @@ class Broker:
                     self._drain(self.frontend, self._on_client)
                 self._dispatch()
                 if time.monotonic() >= next_tick:
+                    if exit_with_parent is not None and os.getppid() != exit_with_parent:
+                        log.warning("the process that started this broker is gone; exiting")
+                        break
                     self._tick()
                     next_tick = time.monotonic() + interval
         finally:

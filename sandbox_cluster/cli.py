@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -40,7 +41,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
                                  heartbeat_liveness=args.heartbeat_liveness))
     # First stdout line: the bound endpoints (LocalCluster reads it; useful with tcp://host:*).
     print(json.dumps({"client": broker.client_endpoint, "worker": broker.worker_endpoint}), flush=True)
-    broker.run(install_signal_handlers=True)
+    broker.run(install_signal_handlers=True, exit_with_parent=os.getppid() if args.exit_with_parent else None)
     return 0
 
 
@@ -52,7 +53,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     cell_nice = boost_priority(args.priority_boost)  # the zygotes inherit the boost; cells get the old value
     config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=limits,
                           heartbeat_interval_s=args.heartbeat_interval, heartbeat_liveness=args.heartbeat_liveness,
-                          uid_base=args.uid_base, cell_nice=cell_nice)
+                          uid_base=args.uid_base, cell_nice=cell_nice,
+                          exit_with_parent=os.getppid() if args.exit_with_parent else None)
     Worker(config).run()
     return 0
 
@@ -166,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     def heartbeat(p: argparse.ArgumentParser) -> None:
         p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
         p.add_argument("--heartbeat-liveness", type=int, default=6, help="missed heartbeats before a peer is dead")
+        p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
         p.add_argument("--priority-boost", type=int, default=5, choices=range(0, 20), metavar="0..19",
                        help="run this process (not the cells) this much nicer-than-nice (needs CAP_SYS_NICE)")
 

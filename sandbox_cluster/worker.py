@@ -45,6 +45,7 @@ class WorkerConfig:
     zygote_start_timeout_s: float = 120.0
     stuck_grace_s: float = 15.0  # a zygote silent this long past a request's timeout is killed
     cell_nice: int | None = None  # nice value of cells (None: the zygote's own)
+    exit_with_parent: int | None = None  # exit once this pid is no longer our parent (it died)
 
     def __post_init__(self) -> None:
         if "://" not in self.connect:
@@ -248,6 +249,9 @@ class Worker:
                 if slot.busy_id is not None and now > slot.busy_deadline:
                     self._zygote_died(slot, "no result long past the request's timeout (killed)")
             if now >= next_heartbeat:
+                if self.config.exit_with_parent is not None and os.getppid() != self.config.exit_with_parent:
+                    log.warning("the process that started this worker is gone; exiting")
+                    return
                 self.socket.send_multipart([P.KIND_HEARTBEAT])
                 next_heartbeat = now + interval
                 if now - self._last_broker_msg > interval * self.config.heartbeat_liveness:

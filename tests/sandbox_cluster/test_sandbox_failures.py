@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -356,3 +357,30 @@ def test_worker_rejoins_a_restarted_broker(tmp_path):
         assert worker.wait(10) == 0
         broker.stop()
         thread.join(5)
+
+
+_OWNER = r"""
+import json, sys, time
+from sandbox_cluster import LocalCluster
+cluster = LocalCluster(workers=1)
+print(json.dumps([cluster.broker_pid, *cluster.worker_pids]), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_cluster_processes_exit_when_their_owner_is_killed():
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(owner.stdout.readline())
+        procs = [psutil.Process(pid) for pid in pids]
+        procs += [child for p in procs for child in p.children(recursive=True)]  # the zygotes (and their cells)
+        assert len(procs) >= 3
+        owner.kill()  # no __exit__, no SIGTERM to the cluster: it must notice by itself
+        owner.wait()
+        gone, alive = psutil.wait_procs(procs, timeout=15)
+        assert alive == [], [p.cmdline()[:4] for p in alive]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
