@@ -51,24 +51,32 @@ TASKS = [
 
 
 def map_calls_to_trajectories(trajs, calls):
-    """Each trajectory's engine requests, in order (matched on exact prompt and output ids)."""
+    """Each trajectory's engine requests, in order: walk its response and, at each run of
+    model tokens, take an unused request whose prompt is exactly the ids so far and whose
+    output is the next ids (samples of one prompt can share identical first requests)."""
     used: set[int] = set()
     out = []
     for t in trajs:
         full = t.prompt_ids + t.response_ids
+        p = len(t.prompt_ids)
+        k = 0
         mine = []
-        for i, c in enumerate(calls):
-            n = len(c.prompt_ids)
-            if i in used or n > len(full) or list(c.prompt_ids) != full[:n]:
+        while k < len(t.response_ids):
+            if t.loss_mask[k] == 0:
+                k += 1
                 continue
-            if list(c.token_ids) != full[n:n + len(c.token_ids)]:
-                continue
-            mine.append(i)
-        if len(mine) != t.engine_requests:
-            raise RuntimeError(f"trajectory {t.group_id}/{t.sample_index}: found {len(mine)} requests, "
-                               f"expected {t.engine_requests}")
-        used.update(mine)
-        out.append([calls[i] for i in sorted(mine, key=lambda i: len(calls[i].prompt_ids))])
+            for i, c in enumerate(calls):
+                if (i not in used and c.token_ids and len(c.prompt_ids) == p + k
+                        and list(c.prompt_ids) == full[:p + k]
+                        and list(c.token_ids) == full[p + k:p + k + len(c.token_ids)]):
+                    used.add(i)
+                    mine.append(c)
+                    k += len(c.token_ids)
+                    break
+            else:
+                raise RuntimeError(f"trajectory {t.group_id}/{t.sample_index}: no engine request made the "
+                                   f"tokens at response offset {k}")
+        out.append(mine)
     return out
 
 
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--problems", type=int, default=8)
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=2)
-    p.add_argument("--max-response-tokens", type=int, default=256)
+    p.add_argument("--max-response-tokens", type=int, default=192)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-in-flight", type=int, default=64)
