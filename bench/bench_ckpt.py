@@ -7,7 +7,10 @@ an ``os.sync()`` so no side pays for the previous side's pending writeback:
   and an fsync (both conversion writers fsync: megatron-core's, and ours before the rename);
 * ``hf-to-megatron`` and ``megatron-to-hf``: ``checkpoints_tools.convert`` (what ``tir-ckpt`` runs).
 
-Reported per side: time of the operation itself (imports excluded), the same operation
+The three sides run ``--rounds`` times, interleaved (raw, hf-to-megatron, megatron-to-hf,
+raw, ...), each time in a fresh process; the table shows the median of each figure (the
+machine is shared, so single runs vary a lot). Reported per side: time of the operation
+itself (imports excluded), the same operation
 run a second time in the same process (one-time costs paid), process wall time,
 peak RSS (VmHWM of the process; ``ru_maxrss`` of any helper process it forked, which
 counts pages shared copy-on-write with the parent), and peak
@@ -15,7 +18,7 @@ RSS above the RSS right after imports (the memory the operation itself needed). 
 conversion time vs raw read+write time (target <= 2x), peak RSS vs the model's bytes
 (target <= 1.5x).
 
-    python bench/bench_ckpt.py [--model smollm2|DIR] [--workdir DIR]
+    python bench/bench_ckpt.py [--model smollm2|DIR] [--workdir DIR] [--rounds 3]
     python bench/bench_ckpt.py --synthetic-qwen2-1b   # a random ~0.9B-parameter bf16 Qwen2 (1.8 GB)
 """
 
@@ -27,6 +30,7 @@ import logging
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,8 +93,8 @@ def _phase(name: str, src: str, dst: str) -> dict:
     t0 = time.perf_counter()
     op(dst)
     op_s = time.perf_counter() - t0
-    # Once more in the same process, into another dir: one-time costs (megatron-core's
-    # writer spawns a result-queue manager process on its first save) are paid already.
+    # Once more in the same process, into another dir: one-time costs (process-group set-up,
+    # first-use allocations and lazy imports) are paid already.
     t0 = time.perf_counter()
     op(dst + "-again")
     warm_s = time.perf_counter() - t0
@@ -110,7 +114,7 @@ def _run_phase(name: str, src: Path, dst: Path) -> dict:
         raise SystemExit(f"phase {name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["wall_s"] = wall
-    result["notes"] = [ln for ln in proc.stderr.splitlines() if "dist_checkpointing.save took" in ln]
+    result["notes"] = [ln for ln in proc.stderr.splitlines() if "read + converted" in ln]
     return result
 
 
@@ -130,6 +134,15 @@ def _synthetic_qwen2(dest: Path) -> Path:
     return dest
 
 
+def _median(results: list[dict]) -> dict:
+    """Per-key median of the numeric figures of several runs of one side (notes: all runs)."""
+    out: dict = {"notes": [n for r in results for n in r["notes"]], "op_all": [r["op_s"] for r in results]}
+    for key in results[0]:
+        if key != "notes":
+            out[key] = statistics.median(r[key] for r in results)
+    return out
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:,.0f} MB"
 
@@ -138,6 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--synthetic-qwen2-1b", action="store_true", help="benchmark a random 0.9B bf16 Qwen2")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
@@ -156,16 +170,23 @@ def main() -> int:
     try:
         hf_dir = _synthetic_qwen2(work / "synthetic") if args.synthetic_qwen2_1b else resolve_model(args.model)
         model_bytes = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
-        raw = _run_phase("raw", hf_dir, work / "raw")
-        h2m = _run_phase("hf-to-megatron", hf_dir, work / "megatron")
-        m2h = _run_phase("megatron-to-hf", work / "megatron", work / "hf")
+        runs: dict[str, list[dict]] = {"raw": [], "hf-to-megatron": [], "megatron-to-hf": []}
+        for r in range(args.rounds):
+            rd = work / f"round{r}"
+            rd.mkdir()
+            runs["raw"].append(_run_phase("raw", hf_dir, rd / "raw"))
+            runs["hf-to-megatron"].append(_run_phase("hf-to-megatron", hf_dir, rd / "megatron"))
+            runs["megatron-to-hf"].append(_run_phase("megatron-to-hf", rd / "megatron", rd / "hf"))
+            shutil.rmtree(rd, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    raw, h2m, m2h = (_median(runs[k]) for k in ("raw", "hf-to-megatron", "megatron-to-hf"))
     conv_op = h2m["op_s"] + m2h["op_s"]
     conv_warm = h2m["warm_s"] + m2h["warm_s"]
     conv_wall = h2m["wall_s"] + m2h["wall_s"]
-    print(f"\nmodel: {'synthetic Qwen2 0.9B bf16' if args.synthetic_qwen2_1b else hf_dir} ({_mb(model_bytes)} of safetensors), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}\n")
+    print(f"\nmodel: {'synthetic Qwen2 0.9B bf16' if args.synthetic_qwen2_1b else hf_dir} ({_mb(model_bytes)} of safetensors), "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}, median of {args.rounds} interleaved rounds\n")
     print("| side | op time | op time, 2nd run in process | process wall | peak RSS | peak RSS x model | RSS after imports | peak - imports "
           "| peak - imports x model | forked helper peak RSS |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -174,10 +195,16 @@ def main() -> int:
         print(f"| {name} | {r['op_s']:.2f} s | {r['warm_s']:.2f} s | {r['wall_s']:.2f} s | {_mb(r['peak_rss'])} | "
               f"{r['peak_rss'] / model_bytes:.2f} | {_mb(r['rss_after_imports'])} | {_mb(work_rss)} | "
               f"{work_rss / model_bytes:.2f} | {_mb(r['children_peak_rss'])} |")
-    print(f"\nHF -> Megatron -> HF op time {conv_op:.2f} s vs raw read + write {raw['op_s']:.2f} s: "
-          f"{conv_op / raw['op_s']:.2f}x (target <= 2x); process wall {conv_wall:.2f} s vs {raw['wall_s']:.2f} s: "
-          f"{conv_wall / raw['wall_s']:.2f}x; 2nd run in process {conv_warm:.2f} s vs {raw['warm_s']:.2f} s: "
-          f"{conv_warm / raw['warm_s']:.2f}x")
+    print()
+    for name, r in (("raw read + write", raw), ("hf-to-megatron", h2m), ("megatron-to-hf", m2h)):
+        print(f"{name} op time per round: {', '.join(f'{t:.2f}' for t in r['op_all'])} s")
+    print(f"\nhf-to-megatron op {h2m['op_s']:.2f} s = {h2m['op_s'] / raw['op_s']:.2f}x raw read + write; "
+          f"megatron-to-hf op {m2h['op_s']:.2f} s = {m2h['op_s'] / raw['op_s']:.2f}x "
+          f"(each direction is one read + one write of the model, like the raw side)")
+    print(f"HF -> Megatron -> HF op time {conv_op:.2f} s vs raw read + write {raw['op_s']:.2f} s: "
+          f"{conv_op / raw['op_s']:.2f}x (target <= 2x; the round trip reads and writes the model twice); "
+          f"process wall {conv_wall:.2f} s vs {raw['wall_s']:.2f} s: {conv_wall / raw['wall_s']:.2f}x; "
+          f"2nd run in process {conv_warm:.2f} s vs {raw['warm_s']:.2f} s: {conv_warm / raw['warm_s']:.2f}x")
     for note in h2m["notes"]:
         print(f"hf-to-megatron breakdown: {note}")
     worst = max(h2m["peak_rss"], m2h["peak_rss"])
