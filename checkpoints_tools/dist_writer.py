@@ -17,6 +17,14 @@ this thread, views copied one at a time while writing, each file fsynced
 (``sync_files=True``), ``.metadata`` written by the coordinator. ``common.pt`` and
 ``metadata.json`` are still written by ``dist_checkpointing.save`` itself, so the
 directory is exactly what megatron-core expects.
+
+By default torch.save's zip CRC32 is not computed for the records while saving
+(``torch.serialization.set_crc32_options``, restored afterwards): ``torch.load`` (and so
+megatron-core's loader) does not verify it, and computing it costs a pass over every byte.
+``crc32=True`` keeps it.
+
+With ``producers`` the state dict's tensors can be meta tensors: each chunk is made by its
+producer when the writer reaches it (what ``hf_to_megatron`` does to hold ~one tensor).
 """
 
 from __future__ import annotations
@@ -94,4 +102,5 @@ def save_sharded(sharded_state_dict, checkpoint_dir: str | Path, *, crc32: bool 
 
     if not torch.distributed.is_initialized():
         raise RuntimeError("save_sharded needs an initialized torch.distributed process group")
-    dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=InProcessTorchDistSaveStrategy(crc32=crc32, producers=producers))
+    strategy = InProcessTorchDistSaveStrategy(crc32=crc32, producers=producers)
+    dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=strategy)
