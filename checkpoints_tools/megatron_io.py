@@ -31,10 +31,12 @@ def load_model(model, ckpt: Path) -> None:
 def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files: Path | None,
                iteration: int | None = None, source: str = "") -> None:
     """Save this rank's ``model`` into ``ckpt`` (all ranks call this), then rank 0 writes the metadata."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
+
+    from checkpoints_tools.dist_writer import save_sharded
 
     ckpt = Path(ckpt)
-    dist_checkpointing.save(model.sharded_state_dict(prefix=MODEL_PREFIX), str(ckpt))
+    save_sharded(model.sharded_state_dict(prefix=MODEL_PREFIX), ckpt)  # torch_dist, written in this process
     if torch.distributed.get_rank() == 0:
         if hf_files is not None and Path(hf_files).is_dir():
             copy_hf_files(hf_files, ckpt / HF_FILES_DIR)
