@@ -133,6 +133,75 @@ def warm_up() -> None:
     str(np.array([1.5, 2.5]))
 
 
+# Never preloaded: side effects at import (GUI, browser, terminal), test suites, installers,
+# or other platforms' modules.
+_PRELOAD_SKIP = frozenset({
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip",
+    "venv", "pydoc_data", "__main__", "msvcrt", "winreg", "winsound", "nt", "msilib", "readline", "distutils",
+})
+
+
+def unreadable_import_dirs(uid: int, gid: int) -> list[str]:
+    """The ``sys.path`` directories a process running as ``uid`` cannot list (e.g. a Python
+    installed under a 0700 /root); checked in a forked child that switches uid."""
+    dirs = [d for d in sys.path if d and os.path.isdir(d)]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            bad = []
+            for d in dirs:
+                try:
+                    os.listdir(d)
+                except OSError:
+                    bad.append(d)
+            os.write(w, "\n".join(bad).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return [d for d in out.split("\n") if d]
+
+
+def preload_stdlib() -> tuple[int, list[str]]:
+    """Import the standard library (public modules and their direct submodules) into the
+    zygote, so cells can import it even when its files are unreadable for the cell's uid.
+    Returns (modules loaded, modules that failed to import)."""
+    import contextlib
+    import importlib
+    import pkgutil
+    import warnings
+
+    loaded, failed = 0, []
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        for name in sorted(sys.stdlib_module_names):
+            if name in _PRELOAD_SKIP or name.startswith("_"):
+                continue
+            try:
+                module = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - e.g. another platform's module
+                failed.append(name)
+                continue
+            loaded += 1
+            for info in pkgutil.iter_modules(getattr(module, "__path__", None) or []):
+                if (info.name.startswith("_") and name != "encodings") or "test" in info.name:
+                    continue
+                try:
+                    importlib.import_module(f"{name}.{info.name}")
+                    loaded += 1
+                except Exception:  # noqa: BLE001
+                    failed.append(f"{name}.{info.name}")
+    return loaded, failed
+
+
 # --------------------------------------------------------------------------- output capture
 
 
@@ -719,6 +788,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         zygote.setup(pid_namespace)
         warm_up()
+        if zygote.can_switch_uid:
+            unreadable = unreadable_import_dirs(zygote.uid, zygote.gid)
+            if unreadable:
+                loaded, _ = preload_stdlib()
+                log.warning("the cell uid cannot read %s: preloaded %d standard-library modules; other "
+                            "modules from there fail to import in cells (install Python where every uid "
+                            "can read it)", ", ".join(unreadable), loaded)
         gc.collect()
         zygote.enter_cgroups()
         gc.freeze()

@@ -23,6 +23,17 @@ def test_ok_result_fields(client):
     assert not res.stdout_truncated and not res.stderr_truncated
 
 
+def test_cells_import_the_standard_library(client):
+    # Modules the zygote never imported for itself: they must load in a cell even where the
+    # interpreter's files are unreadable for the cell's uid (a Python under a 0700 /root).
+    code = ("import statistics, fractions, decimal, heapq, bisect, itertools, functools, encodings.idna\n"
+            "print(statistics.median([3, 1, 2]), fractions.Fraction(1, 3) + fractions.Fraction(1, 6), "
+            "decimal.Decimal('0.1') * 3, 'x'.encode('idna'))")
+    res = client.run(code)
+    assert res.status is Status.OK, res.stderr
+    assert res.stdout == "2 1/2 0.3 b'x'\n"
+
+
 def test_exception_is_an_error_with_the_cell_traceback(client):
     res = client.run("print('partial')\n1 / 0\n")
     assert res.status is Status.ERROR and res.exit_code == 1
