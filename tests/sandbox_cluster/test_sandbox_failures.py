@@ -235,16 +235,23 @@ def killable():
         yield c
 
 
+async def _busy_workers(cluster):
+    """The workers with a request in flight, polled for up to 2 s."""
+    busy = []
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        busy = [w for w in cluster.status().workers if w.in_flight]
+        if busy:
+            break
+    return busy
+
+
 @pytest.mark.slow
 def test_worker_killed_mid_request_is_retried_elsewhere(killable):
     with SandboxClient(killable.address) as client:
         async def scenario():
             task = asyncio.ensure_future(client.arun("import time; time.sleep(1.0); print('done')", timeout=10))
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                busy = [w for w in killable.status().workers if w.in_flight]
-                if busy:
-                    break
+            busy = await _busy_workers(killable)
             assert len(busy) == 1
             killable.kill_worker(int(busy[0].name.split("-")[1]))
             return await task
@@ -262,11 +269,7 @@ def test_zygote_killed_mid_request_is_retried_and_replaced(killable):
     with SandboxClient(killable.address) as client:
         async def scenario():
             task = asyncio.ensure_future(client.arun("import time; time.sleep(1.0); print('done')", timeout=10))
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                busy = [w for w in killable.status().workers if w.in_flight]
-                if busy:
-                    break
+            busy = await _busy_workers(killable)
             worker_pid = killable.workers[int(busy[0].name.split("-")[1])].pid
             (zygote,) = psutil.Process(worker_pid).children()
             zygote.kill()  # as root, from outside: what no cell can do
