@@ -114,6 +114,82 @@ def remount_read_only(keep: list[str]) -> int:
     return done
 
 
+# open_tree(2) / move_mount(2): the same numbers on every architecture (Linux >= 5.2).
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_AT_FDCWD = -100
+_MNT_DETACH = 2
+
+
+def _can_traverse(st: os.stat_result, uid: int, gid: int, need: int) -> bool:
+    """Whether ``uid``/``gid`` (no supplementary groups) has the ``need`` bits (octal 1/4) on ``st``."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & (need << 6))
+    if st.st_gid == gid:
+        return bool(st.st_mode & (need << 3))
+    return bool(st.st_mode & need)
+
+
+def _blocking_ancestor(path: str, uid: int, gid: int) -> str | None:
+    """The highest ancestor of ``path`` that ``uid`` cannot traverse; None if there is none."""
+    parts = path.strip("/").split("/")
+    for ancestor in ["/"] + ["/" + "/".join(parts[: i + 1]) for i in range(len(parts) - 1)]:
+        if not _can_traverse(os.stat(ancestor), uid, gid, 0o1):
+            return ancestor
+    return None
+
+
+def expose_import_dirs(dirs: list[str], uid: int, gid: int) -> list[str]:
+    """Make ``dirs`` (the interpreter's import directories) readable for ``uid`` without
+    widening anything else, in the caller's private mount namespace.
+
+    E.g. a Python installed under a 0700 /root: a small tmpfs (mode 0755) covers /root, so the
+    rest of /root is hidden, and each import directory is bind-mounted back at its own path
+    (open_tree + move_mount, cloned before the tmpfs hides it); the tmpfs and the binds become
+    read-only with every other mount. Returns the directories exposed."""
+    by_blocker: dict[str, list[str]] = {}
+    for d in sorted({os.path.realpath(d) for d in dirs}):
+        blocker = _blocking_ancestor(d, uid, gid)
+        if blocker is None or blocker == "/" or blocker in WORLD_WRITABLE_DIRS or \
+                any(blocker == k or blocker.startswith(k + "/") for k in _KEEP_WRITABLE):
+            continue
+        st = os.stat(d)
+        if not (_can_traverse(st, uid, gid, 0o1) and _can_traverse(st, uid, gid, 0o4)):
+            continue  # the directory itself is closed: a bind does not change that
+        kept = by_blocker.setdefault(blocker, [])
+        if not any(d == k or d.startswith(k + "/") for k in kept):
+            kept.append(d)
+    exposed = []
+    for blocker, kept in by_blocker.items():
+        clones = []
+        try:
+            for d in kept:
+                fd = _libc.syscall(ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_long(_AT_FDCWD), d.encode(),
+                                   ctypes.c_long(_OPEN_TREE_CLONE | os.O_CLOEXEC))
+                _check(0 if fd >= 0 else -1, f"open_tree {d}")
+                clones.append((d, fd))
+            st = os.stat(blocker)
+            mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size=1m,mode=0755,uid={st.st_uid},gid={st.st_gid}")
+            try:
+                for d, fd in clones:
+                    os.makedirs(d, mode=0o755, exist_ok=True)
+                    _check(_libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_long(fd), b"",
+                                         ctypes.c_long(_AT_FDCWD), d.encode(),
+                                         ctypes.c_long(_MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {d}")
+                    exposed.append(d)
+            except OSError:  # never leave the interpreter's own files hidden behind a half-built tmpfs
+                _libc.umount2(blocker.encode(), _MNT_DETACH)
+                exposed = [d for d in exposed if d not in kept]
+                raise
+        finally:
+            for _, fd in clones:
+                os.close(fd)
+    return exposed
+
+
 def disable_ipc() -> None:
     """In the caller's own IPC namespace: no SysV message queues, semaphores or shared memory,
     no POSIX message queues (objects a cell could leave behind for the next one)."""
@@ -258,12 +334,13 @@ class SlotCgroup:
     def pids(self) -> list[int]:
         return [int(x) for x in self.read("cgroup.procs").split()]
 
-    def kill_all(self, deadline_s: float = 2.0) -> bool:
-        """SIGKILL every process in the cgroup but the caller until none is left; True if none is."""
+    def kill_all(self, deadline_s: float = 2.0, keep: tuple[int, ...] = ()) -> bool:
+        """SIGKILL every process in the cgroup but the caller and ``keep`` until none is left;
+        True if none is."""
         end = time.monotonic() + deadline_s
-        me = os.getpid()
+        spared = {os.getpid(), *keep}
         while True:
-            pids = [p for p in self.pids() if p != me]
+            pids = [p for p in self.pids() if p not in spared]
             if not pids:
                 return True
             for pid in pids:

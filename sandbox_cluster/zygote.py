@@ -44,7 +44,7 @@ import time
 
 import msgspec
 
-from . import isolation
+from . import hugepages, isolation
 from .limits import SandboxLimits
 from .protocol import ExecRequest, ExecResult, Protection, Status, decode_request, encode, encode_msg
 
@@ -65,6 +65,7 @@ CELL_ENV = {
 }
 
 _LEN = struct.Struct("!I")
+RECOLLAPSE_EVERY = 256  # requests between two re-collapses of the warm heap into huge pages
 
 
 class _ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
@@ -258,7 +259,7 @@ class Zygote:
         self._oom_kills = 0
         self._memory_limit = -1  # what memory.limit_in_bytes holds now (-1: none)
         self._vm_size = 0  # the zygote's own address-space size (cells get it + memory_mb)
-        self._served = 0
+        self.served = 0
         self._spare: _Spare | None = None  # the next cell, forked ahead and waiting for its request
         # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
@@ -311,6 +312,15 @@ class Zygote:
             isolation.unshare(isolation.CLONE_NEWNS)
             isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
             self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
+            if self.can_switch_uid:  # e.g. a Python under a 0700 /root: show cells its import dirs only
+                try:
+                    exposed = isolation.expose_import_dirs(unreadable_import_dirs(self.uid, self.gid),
+                                                           self.uid, self.gid)
+                    if exposed:
+                        log.info("import directories bind-mounted read-only for the cell uid: %s",
+                                 ", ".join(exposed))
+                except OSError as exc:
+                    log.warning("could not expose the import directories to the cell uid: %s", exc)
             try:
                 done = isolation.remount_read_only(keep=self.tmpfs_dirs)
                 read_only[0] = f"{done} mounts read-only (all but the scratch tmpfs, /proc, /sys, /dev)"
@@ -351,7 +361,7 @@ class Zygote:
 
         def pids_cgroup() -> isolation.SlotCgroup:
             cg = isolation.SlotCgroup("pids", name)
-            cg.write("pids.max", self.limits.max_processes + 1)  # + the zygote itself
+            cg.write("pids.max", self.limits.max_processes + 2)  # + the zygote and the next cell, forked ahead
             return cg
 
         def memory_cgroup() -> isolation.SlotCgroup:
@@ -426,6 +436,22 @@ class Zygote:
             os.close(fd)
         return _Spare(pid=pid, ctrl_w=ctrl_w, out_r=out_r, err_r=err_r)
 
+    def _live_spare(self) -> _Spare | None:
+        """The cell forked ahead, unless it has died meanwhile (then it is reaped and dropped)."""
+        spare = self._spare
+        if spare is not None:
+            try:
+                done, _ = os.waitpid(spare.pid, os.WNOHANG)
+            except ChildProcessError:
+                done = spare.pid
+            if done:
+                log.warning("the cell forked ahead (pid %d) died before its request; forking another", spare.pid)
+                self._spare = None
+                for fd in (spare.ctrl_w, spare.out_r, spare.err_r):
+                    os.close(fd)
+                return None
+        return spare
+
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None:
@@ -446,13 +472,13 @@ class Zygote:
                 self._lift_memory_limit()
                 return ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"cgroup memory limit: {exc}")
             self._memory_limit = mem_bytes
-        if self._served % 64 == 0:  # it barely changes once warm
+        if self.served % 64 == 0:  # it barely changes once warm
             self._vm_size = _vm_size_bytes()
-        self._served += 1
+        self.served += 1
         vm_size = self._vm_size
         cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
 
-        spare, self._spare = self._spare or self._spawn(), None
+        spare, self._spare = self._live_spare() or self._spawn(), None
         start = time.monotonic()
         try:  # the waiting cell reads its request, then drops privileges and runs it
             _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit) + encode(req))
@@ -461,6 +487,7 @@ class Zygote:
         finally:
             os.close(spare.ctrl_w)
         pid, out_r, err_r = spare.pid, spare.out_r, spare.err_r
+        self.prepare_next()  # fork the next cell now, on another core, while this one runs
         verdict, wall, exit_status, rusage, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
         stdout, stdout_trunc = captures[0].render()
         stderr, stderr_trunc = captures[1].render()
@@ -561,6 +588,11 @@ class Zygote:
         self._wipe_scratch()
         self._lift_memory_limit()
 
+    def recollapse(self) -> None:
+        """Merge the warm heap back into huge pages, with no cell sharing it (the spare is dropped)."""
+        self._drop_spare()
+        hugepages.collapse()
+
     def _wipe_scratch(self) -> None:
         for d in self._scratch_dirs:
             isolation.wipe_dir(d)
@@ -584,7 +616,7 @@ class Zygote:
         """Kill every process the cell left behind (setsid orphans included) and reap them."""
         cg = self.pids_cg or self.memory_cg
         if cg is not None:
-            if not cg.kill_all():
+            if not cg.kill_all(keep=() if self._spare is None else (self._spare.pid,)):
                 log.error("cgroup %s still has processes after kill", cg.path)
         elif self.can_switch_uid:
             for _ in range(1000):
@@ -611,10 +643,6 @@ class Zygote:
             os.setsid()
             if self.cell_nice is not None:  # back to the worker's own priority (the zygote may run ahead)
                 os.setpriority(os.PRIO_PROCESS, 0, self.cell_nice)
-            if self.memory_cg is not None:  # the cell shares the zygote's memory cgroup: it is the OOM victim
-                fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-                os.write(fd, b"1000")
-                os.close(fd)
             os.dup2(ctrl_r, 0)  # the request comes in on fd 0; the cell's stdin replaces it below
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
@@ -639,6 +667,10 @@ class Zygote:
                 os.lseek(stdin_fd, 0, os.SEEK_SET)
             os.dup2(stdin_fd, 0)
             os.close(stdin_fd)
+            if self.memory_cg is not None:  # in the zygote's memory cgroup the running cell is the OOM
+                fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # victim (not the next one, waiting)
+                os.write(fd, b"1000")
+                os.close(fd)
             resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 1))
             resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
             if self.can_switch_uid:
@@ -796,8 +828,10 @@ def main(argv: list[str] | None = None) -> int:
                             "modules from there fail to import in cells (install Python where every uid "
                             "can read it)", ", ".join(unreadable), loaded)
         gc.collect()
-        zygote.enter_cgroups()
         gc.freeze()
+        huge = hugepages.collapse()  # before entering the cgroups: the warm heap is charged outside the slot
+        log.info("warm heap: %d MiB in huge pages (%d collapsed)", hugepages.anon_huge_bytes() >> 20, huge)
+        zygote.enter_cgroups()
         send_frame(sock, encode_msg(_ZygoteHello(protections=zygote.protections)))
         zygote.prepare_next()
         while True:
@@ -816,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
                 zygote.recover()
                 result = ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"zygote: {exc}")
             send_frame(sock, encode(result))
+            if zygote.served % RECOLLAPSE_EVERY == 0:  # the zygote's writes since have split some
+                zygote.recollapse()  # huge pages; a few ms to merge them back
             zygote.prepare_next()  # after the reply: forking the next cell is off the request's path
     except (ConnectionError, BrokenPipeError):
         return 0
