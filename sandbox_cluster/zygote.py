@@ -10,11 +10,15 @@ namespace (only a down loopback), IPC namespace (SysV IPC and POSIX queues disab
 mount namespace (size-limited private tmpfs over /tmp, /var/tmp and /dev/shm, every other
 host mount but /proc, /sys and /dev read-only, a /proc of its pid namespace), creates the
 slot's memory and pids cgroups, compiles the seccomp filter, imports and *exercises* numpy
-and sympy, moves into its cgroups and freezes the GC so forked children do not
-copy-on-write the warm heap. Each layer the host refuses is reported, not skipped.
+and sympy, freezes the GC so forked children do not copy-on-write the warm heap, collapses
+that heap into huge pages (``hugepages``: fork and exit then copy and tear down far fewer
+page-table entries) and moves into its cgroups. Each layer the host refuses is reported, not
+skipped. Where the cell uid cannot read the interpreter's import directories (a Python under
+a 0700 /root), they alone are bind-mounted back, read-only, under a tmpfs that hides the rest.
 
-The next cell is forked ahead of its request, while the slot is idle (fork() of a warm
-interpreter costs milliseconds): born in the slot's cgroups, it starts a new session, gets
+The next cell is forked ahead of its request, while the current one runs (fork() of a warm
+interpreter costs milliseconds; on a machine with a free core it is off the request's path):
+born in the slot's cgroups, it starts a new session, gets
 fresh stdio pipes, closes every other fd, chdirs into the private /tmp, sets the
 request-independent rlimits and waits, still root but having run no foreign code, for its
 request on a pipe. Then it sets the CPU and address-space limits, drops to the slot's

@@ -23,6 +23,7 @@ import zmq
 from sandbox_cluster import LocalCluster, SandboxClient, Status
 from sandbox_cluster import protocol as P
 from sandbox_cluster.broker import Broker, BrokerConfig
+from sandbox_helpers import assert_next_ok
 
 
 @contextlib.contextmanager
@@ -387,3 +388,21 @@ def test_cluster_processes_exit_when_their_owner_is_killed():
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_cell_forked_ahead_that_dies_is_replaced(cluster, client):
+    # Each idle zygote holds the next cell, forked ahead; if it dies (here: SIGKILL as root
+    # from outside), the next request must not inherit its death.
+    assert_next_ok(client)
+    spares = []
+    for worker_pid in cluster.worker_pids:
+        for shim in psutil.Process(worker_pid).children():
+            for zygote in shim.children():
+                spares += zygote.children()
+    assert spares, "no cell forked ahead"
+    for proc in spares:
+        proc.kill()
+    psutil.wait_procs(spares, timeout=5)
+    for _ in range(4):  # both slots, twice
+        res = client.run("print('ok')")
+        assert res.status is Status.OK and res.stdout == "ok\n", res

@@ -100,3 +100,60 @@ def test_without_a_private_tmpfs_only_the_zygotes_own_dir_is_wiped(tmp_path):
         assert not os.path.exists(workdir)  # removed when the zygote closed
     finally:
         os.unlink(sentinel.name)
+
+
+_EXPOSE_SCRIPT = r"""
+import os, sys
+from sandbox_cluster import isolation
+home, lib = sys.argv[1], sys.argv[2]
+isolation.unshare(isolation.CLONE_NEWNS)
+isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
+print("exposed", isolation.expose_import_dirs([lib], 61998, 61998) == [lib])
+pid = os.fork()
+if pid == 0:
+    os.setgroups([]); os.setresgid(61998, 61998, 61998); os.setresuid(61998, 61998, 61998)
+    print("module", open(os.path.join(lib, "mod.py")).read().strip())
+    print("listing", sorted(os.listdir(home)))
+    print("secret", os.path.exists(os.path.join(home, "secret.txt")))
+    sys.stdout.flush()
+    os._exit(0)
+os.waitpid(pid, 0)
+print("zygote still sees", os.path.exists(os.path.join(home, "secret.txt")) is False)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount namespace, uid switch)")
+def test_import_dirs_under_a_closed_home_are_exposed_alone(tmp_path):
+    # A Python installed under a 0700 home: cells (another uid) must read its import directory,
+    # and nothing else there.
+    home = tmp_path / "home"
+    lib = home / "py" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "mod.py").write_text("VALUE = 42\n")
+    (home / "secret.txt").write_text("private\n")
+    home.chmod(0o700)
+    out = subprocess.run([sys.executable, "-c", _EXPOSE_SCRIPT, str(home), str(lib)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["exposed True", "module VALUE = 42", "listing ['py']", "secret False",
+                                       "zygote still sees True"]
+    assert (home / "secret.txt").read_text() == "private\n"  # the host's files are untouched
+
+
+def test_collapse_keeps_contents_and_maps_huge_pages():
+    import mmap
+
+    from sandbox_cluster import hugepages
+
+    size = 16 << 20
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pattern = bytes(range(256)) * 16
+    for off in range(0, size, 4096):
+        buf[off:off + 4096] = pattern
+    before = hugepages.anon_huge_bytes()
+    collapsed = hugepages.collapse()
+    if collapsed == 0:
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1) or THP is disabled")
+    assert hugepages.anon_huge_bytes() >= before + (4 << 20)  # at least 2 of the buffer's 7-8 aligned 2 MiB
+    assert all(buf[off:off + 4096] == pattern for off in range(0, size, 4096))
+    buf.close()
