@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -82,8 +83,6 @@ def _model_templates(spec: ModelSpec) -> dict:
 
 def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.TensorPlan]) -> torch.dtype:
     """Every expected HF tensor is there with the shape the config implies; returns their dtype."""
-    from safetensors import safe_open
-
     wanted = {name: shape for p in plans for name, shape in zip(p.hf, p.hf_shapes)}
     ignorable = {"lm_head.weight"} if spec.tie_word_embeddings else set()
     unexpected = sorted(n for n in reader.names() if n not in wanted and n not in ignorable
@@ -95,10 +94,8 @@ def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.Tens
     for name, shape in wanted.items():
         if name not in reader:
             raise ValueError(f"tensor {name!r} is missing from {reader.dir} (config.json expects it)")
-        with safe_open(reader.files[name], framework="pt") as f:
-            sl = f.get_slice(name)
-            got = tuple(sl.get_shape())
-            dtypes.add(sl.get_dtype())
+        got = reader.shape(name)
+        dtypes.add(reader.dtype_name(name))
         if got != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}: "
                              f"checkpoint and config disagree")
@@ -119,6 +116,7 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
 
     def check(p, shape):
         def produce():
+            reader.release()  # the tensors produced before are written: drop their pages
             tensor = keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec)
             if tuple(tensor.shape) != tuple(shape):
                 raise AssertionError(f"{p.megatron}: converted shape {list(tensor.shape)}, expected {list(shape)}")
@@ -127,6 +125,7 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
 
     def half(p, i, shape):
         def produce():
+            reader.release()
             tensor = reader.get(p.hf[i])
             if tuple(tensor.shape) != tuple(shape):
                 raise AssertionError(f"{p.hf[i]}: shape {list(tensor.shape)}, expected {list(shape)}")
@@ -207,6 +206,37 @@ def read_hf_tensors(reader: RegionReader, p: keymap.TensorPlan, template, spec: 
     return keymap.to_hf(p, read_megatron_tensor(reader, template, spec.torch_dtype), spec)
 
 
+def hf_byte_spans(reader: RegionReader, p: keymap.TensorPlan, template,
+                  spec: ModelSpec) -> list[list[tuple[int, int, int]]] | None:
+    """For each HF tensor of one plan, the ``(fd, offset, length)`` byte spans of the checkpoint
+    files that are exactly its bytes, in order; None unless every stored chunk needed is a plain
+    contiguous tensor of the model's dtype holding the whole (TP=1-shaped) tensor or SwiGLU half
+    (then the tensors are read and rearranged in memory: ``read_hf_tensors``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def region(leaf):
+        reg = reader.raw_region(leaf.key, tuple(leaf.global_offset),
+                                (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape), spec.torch_dtype)
+        return None if reg is None else (reader.fileno(reg), reg.offset, reg.length)
+
+    if isinstance(template, ShardedTensorFactory):
+        leaves = template.build()
+        if not (p.transform == "gate_up" and len(leaves) == 2
+                and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes))):
+            return None
+        halves = [region(leaf) for leaf in leaves]
+        return None if None in halves else [[h] for h in halves]
+    if tuple(template.local_shape) != tuple(p.megatron_shape):
+        return None
+    whole = region(template)
+    if whole is None:
+        return None
+    fd, base, _ = whole
+    row_bytes = spec.torch_dtype.itemsize * math.prod(p.megatron_shape[1:])
+    return [[(fd, base + first * row_bytes, rows * row_bytes) for first, rows in blocks]
+            for blocks in keymap.hf_row_spans(p, spec)]
+
+
 def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
     config = dict(meta.hf_config)
     qc = config.get("quantization_config")
@@ -231,15 +261,24 @@ def megatron_to_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -
         sharded = _model_templates(spec)
         with RegionReader(ckpt) as reader, \
                 StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
+            copied = 0
             for p in plans:
                 template = sharded[MODEL_PREFIX + p.megatron]
                 try:
+                    spans = hf_byte_spans(reader, p, template, spec)
+                    if spans is not None:  # file to file, no tensor in memory
+                        for name, tensor_spans in zip(p.hf, spans):
+                            writer.copy(name, tensor_spans)
+                        copied += 1
+                        continue
                     tensors = read_hf_tensors(reader, p, template, spec)
                 except ValueError as e:
                     raise ValueError(f"checkpoint {ckpt} does not match its metadata ({spec.family}, "
                                      f"hidden {spec.hidden_size}, {spec.num_layers} layers): {e}") from None
                 for name, t in zip(p.hf, tensors):
                     writer.write(name, t)
+            log.info("%d of %d tensors copied file to file, %d read and rearranged", copied, len(plans),
+                     len(plans) - copied)
         hf_files = ckpt / HF_FILES_DIR
         if hf_files.is_dir():
             copy_hf_files(hf_files, tmp)

@@ -1,7 +1,7 @@
 """Streaming HF safetensors I/O: read one tensor at a time, write one tensor at a time.
 
-``HFReader`` opens the file that holds a tensor only for the time it takes to copy it
-out (``safe_open``), so no file stays mapped. ``StreamingSafetensorsWriter`` writes the
+``HFReader`` parses each file's header once and hands out tensors viewing a copy-on-write
+mapping of the file (no copy), and drops their pages on ``release()``. ``StreamingSafetensorsWriter`` writes the
 standard safetensors format (8-byte little-endian header length, JSON header, raw
 little-endian data) from a list of names/shapes/dtypes known in advance, then accepts
 the tensors one by one in that order: memory never holds more than the tensor in hand.
@@ -11,8 +11,11 @@ with a ``model.safetensors.index.json``, as transformers writes them.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -29,28 +32,41 @@ INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+_MADV_DONTNEED = 4
+
+
 class HFReader:
-    """Tensor name -> file for an HF directory; ``get(name)`` reads that tensor alone."""
+    """Tensor name -> file for an HF directory; ``get(name)`` is that tensor, read in place.
+
+    Each safetensors file's header is parsed once (names, dtypes, shapes, byte ranges) and the
+    file is mapped copy-on-write; ``get`` returns a tensor *viewing* the mapping (no copy: the
+    bytes come from the page cache when used). ``release()`` drops the pages of the tensors
+    handed out so far from this process's memory (they stay valid and are read again if
+    used), so a caller streaming tensor by tensor holds about one tensor resident.
+    """
 
     def __init__(self, hf_dir: Path) -> None:
         self.dir = Path(hf_dir)
         self.files: dict[str, Path] = {}
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, begin, end
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._resident: list[tuple[mmap.mmap, int, int]] = []
         index = self.dir / INDEX_NAME
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            for name, fname in weight_map.items():
-                self.files[name] = self.dir / fname
-            missing = sorted({p for p in self.files.values() if not p.is_file()})
+            missing = sorted({self.dir / f for f in weight_map.values() if not (self.dir / f).is_file()})
             if missing:
                 raise ValueError(f"{index} lists {missing[0].name}, which is missing")
+            shards = sorted({self.dir / f for f in weight_map.values()})
         else:
             shards = sorted(self.dir.glob("*.safetensors"))
             if not shards:
                 raise ValueError(f"no *.safetensors weights in {self.dir}")
-            for shard in shards:
-                with safe_open(shard, framework="pt") as f:
-                    for name in f.keys():
-                        self.files[name] = shard
+        for shard in shards:
+            for name, entry in _read_header(shard).items():
+                self.files[name] = shard
+                self._entries[name] = entry
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -58,11 +74,110 @@ class HFReader:
     def names(self) -> list[str]:
         return list(self.files)
 
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype (``F32``, ``BF16``, ...)."""
+        return self._entry(name)[0]
+
+    def _entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        if name not in self._entries:
             raise ValueError(f"tensor {name!r} is missing from {self.dir}")
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name)
+        return self._entries[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        st_dtype, shape, begin, end = self._entry(name)
+        dtype = _TORCH_DTYPES.get(st_dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {st_dtype} is not supported")
+        path = self.files[name]
+        mm = self._maps.get(path)
+        if mm is None:
+            with open(path, "rb") as f:
+                mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        self._resident.append((mm, begin, end))
+        if begin % dtype.itemsize:  # misaligned for its dtype: a copy
+            return torch.frombuffer(bytearray(mm[begin:end]), dtype=dtype).view(shape)
+        return torch.frombuffer(mm, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin).view(shape)
+
+    def release(self) -> None:
+        """Drop the pages of every tensor handed out so far from this process's resident memory."""
+        page = mmap.PAGESIZE
+        for mm, begin, end in self._resident:
+            start = begin - begin % page
+            if end > start:
+                mm.madvise(_MADV_DONTNEED, start, end - start)
+        self._resident.clear()
+
+
+def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, absolute begin, absolute end) from a safetensors header, checked."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} has a corrupt safetensors header: {e}") from None
+    out = {}
+    base = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: bad header entry for {name!r}") from None
+        itemsize = _TORCH_DTYPES[dtype].itemsize if dtype in _TORCH_DTYPES else None
+        if not 0 <= begin <= end or base + end > size or (
+                itemsize is not None and end - begin != itemsize * math.prod(shape)):
+            raise ValueError(f"{path}: tensor {name!r} has a bad byte range [{begin}, {end}) (file truncated?)")
+        out[name] = (dtype, shape, base + begin, base + end)
+    return out
+
+
+_COPY_FILE_RANGE_FAILS = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM)
+_copy_file_range_works = True  # until a filesystem refuses it (e.g. tmpfs: EXDEV)
+_copy_buffer: bytearray | None = None  # reused: fresh pages for every copy cost more than the copy
+
+
+def copy_range(src_fd: int, offset: int, length: int, dst_fd: int) -> None:
+    """Append ``length`` bytes at ``offset`` of ``src_fd`` to ``dst_fd`` (at its position):
+    ``copy_file_range`` (in the kernel, no user-space buffer), or pread + write through one
+    reused buffer where the filesystems do not support it."""
+    global _copy_file_range_works, _copy_buffer
+    done = 0
+    if _copy_file_range_works:
+        try:
+            while done < length:
+                n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"unexpected end of file at {offset + done}")
+                done += n
+            return
+        except OSError as e:
+            if e.errno not in _COPY_FILE_RANGE_FAILS:
+                raise
+            _copy_file_range_works = False
+    if _copy_buffer is None:
+        _copy_buffer = bytearray(8 << 20)
+    buf = memoryview(_copy_buffer)
+    while done < length:
+        got = os.preadv(src_fd, [buf[: min(length - done, len(buf))]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"unexpected end of file at {offset + done}")
+        view = buf[:got]
+        while view:
+            view = view[os.write(dst_fd, view):]
+        done += got
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -132,16 +247,32 @@ class StreamingSafetensorsWriter:
         self._file.write(_header_bytes(shard))
         self._file_name = fname
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def _next(self, name: str) -> TensorEntry:
         if self._pos >= len(self._order):
             raise AssertionError(f"unexpected extra tensor {name}")
         fname, entry = self._order[self._pos]
         assert name == entry.name, f"tensor order: expected {entry.name}, got {name}"
-        assert tuple(tensor.shape) == entry.shape and tensor.dtype == entry.dtype, (name, tensor.shape, tensor.dtype)
         if fname != self._file_name:
             self._open(fname)
+        return entry
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._next(name)
+        assert tuple(tensor.shape) == entry.shape and tensor.dtype == entry.dtype, (name, tensor.shape, tensor.dtype)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         self._file.write(memoryview(data))
+        self._pos += 1
+
+    def copy(self, name: str, spans: list[tuple[int, int, int]]) -> None:
+        """Write tensor ``name`` from byte spans ``(fd, offset, length)`` of other files, in order
+        (already in this tensor's dtype and layout): copied file to file by the kernel."""
+        entry = self._next(name)
+        if sum(n for _, _, n in spans) != entry.nbytes:
+            raise AssertionError(f"{name}: {sum(n for _, _, n in spans)} bytes given, {entry.nbytes} expected")
+        self._file.flush()
+        out = self._file.fileno()
+        for fd, offset, length in spans:
+            copy_range(fd, offset, length, out)
         self._pos += 1
 
     def close(self) -> None:

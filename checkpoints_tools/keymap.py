@@ -164,6 +164,22 @@ def to_hf(p: TensorPlan, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Te
             v.reshape(ng * d, *rest).contiguous()]
 
 
+def hf_row_spans(p: TensorPlan, spec: ModelSpec) -> list[list[tuple[int, int]]]:
+    """For each HF tensor of ``p`` (in ``p.hf`` order), the ``(first row, rows)`` blocks of the
+    Megatron tensor's leading dimension that make it, in order: ``to_hf`` as row ranges, so a
+    contiguous stored tensor can be split by copying bytes."""
+    if p.transform == "identity":
+        return [[(0, p.megatron_shape[0])]]
+    if p.transform == "gate_up":
+        f = p.hf_shapes[0][0]
+        return [[(0, f)], [(f, f)]]
+    ng, d, hpg = spec.num_query_groups, spec.head_dim, spec.heads_per_group
+    group = (hpg + 2) * d
+    return [[(g * group, hpg * d) for g in range(ng)],
+            [(g * group + hpg * d, d) for g in range(ng)],
+            [(g * group + (hpg + 1) * d, d) for g in range(ng)]]
+
+
 def table(family: str) -> str:
     """The key map of ``family`` as a markdown table."""
     if family not in KEY_MAPS:

@@ -49,3 +49,29 @@ def test_writer_refuses_wrong_order_and_missing_tensors(tmp_path):
     with pytest.raises(AssertionError, match="only 1 of 3"):
         with StreamingSafetensorsWriter(tmp_path, entries) as w:
             w.write("a.weight", tensors["a.weight"])
+
+
+def test_reader_views_files_in_place_and_release_keeps_tensors_valid(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"big": torch.randn(512, 1024), "small": torch.randn(3)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    reader = HFReader(tmp_path)
+    assert reader.shape("big") == (512, 1024) and reader.dtype_name("small") == "F32"
+    big = reader.get("big")
+    assert big.untyped_storage().nbytes() == big.nbytes  # a view of exactly its bytes (what torch.save writes)
+    reader.release()  # its pages leave this process; the tensor reads them again
+    assert torch.equal(big, tensors["big"]) and torch.equal(reader.get("small"), tensors["small"])
+
+
+def test_truncated_or_corrupt_files_are_one_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="bad byte range .* truncated"):
+        HFReader(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ValueError, match="corrupt safetensors header"):
+        HFReader(tmp_path)
