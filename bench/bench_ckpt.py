@@ -114,7 +114,7 @@ def _run_phase(name: str, src: Path, dst: Path) -> dict:
         raise SystemExit(f"phase {name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["wall_s"] = wall
-    result["notes"] = [ln for ln in proc.stderr.splitlines() if "read + converted" in ln]
+    result["notes"] = [ln for ln in proc.stderr.splitlines() if "read + converted" in ln or "file to file" in ln]
     return result
 
 
@@ -205,8 +205,10 @@ def main() -> int:
           f"{conv_op / raw['op_s']:.2f}x (target <= 2x; the round trip reads and writes the model twice); "
           f"process wall {conv_wall:.2f} s vs {raw['wall_s']:.2f} s: {conv_wall / raw['wall_s']:.2f}x; "
           f"2nd run in process {conv_warm:.2f} s vs {raw['warm_s']:.2f} s: {conv_warm / raw['warm_s']:.2f}x")
-    for note in h2m["notes"]:
-        print(f"hf-to-megatron breakdown: {note}")
+    print(f"HF -> Megatron -> HF op time {conv_op:.2f} s vs the same I/O done raw (two read + writes, "
+          f"{2 * raw['op_s']:.2f} s): {conv_op / (2 * raw['op_s']):.2f}x")
+    for note in h2m["notes"] + list(dict.fromkeys(m2h["notes"])):
+        print(f"breakdown: {note}")
     worst = max(h2m["peak_rss"], m2h["peak_rss"])
     worst_work = max(h2m["peak_rss"] - h2m["rss_after_imports"], m2h["peak_rss"] - m2h["rss_after_imports"])
     print(f"conversion peak RSS {_mb(worst)} = {worst / model_bytes:.2f}x model bytes "

@@ -29,6 +29,7 @@ producer when the writer reaches it (what ``hf_to_megatron`` does to hold ~one t
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,7 +60,11 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         previous = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(self.crc32)
         try:
-            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+            # one rank: no collectives (they would pickle the whole save plan through tensors)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_save(pyt_state_dict, storage_writer=writer, planner=planner,
+                         no_dist=torch.distributed.get_world_size() == 1)
         finally:
             torch.serialization.set_crc32_options(previous)
 
