@@ -167,7 +167,10 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
         t0 = time.perf_counter()
         sharded = _model_templates(spec)
         producers = _tensor_producers(sharded, plans, reader, spec)
-        save_sharded(sharded, tmp, producers=producers)
+        try:
+            save_sharded(sharded, tmp, producers=producers, copy_sources=reader.copy_sources())
+        finally:
+            reader.close()
         del sharded
         log.info("read + converted + saved %d tensors in %.2f s", len(plans), time.perf_counter() - t0)
         copy_hf_files(hf_dir, tmp / HF_FILES_DIR)

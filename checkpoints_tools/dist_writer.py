@@ -29,30 +29,126 @@ producer when the writer reaches it (what ``hf_to_megatron`` does to hold ~one t
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
                                                                _replace_state_dict_keys_with_sharded_keys,
                                                                mcore_to_pyt_state_dict)
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.planner import WriteItemType
+
+from checkpoints_tools.hf_io import copy_range
+
+log = logging.getLogger(__name__)
+
+
+class _CopyingStream(io.RawIOBase):
+    """The file a ``FileSystemWriter`` writes, where a write of bytes that lie in a mapped source
+    file (a tensor viewing an ``HFReader`` mapping, handed to ``torch.save``) is done by the
+    kernel from that file (``copy_file_range``) instead of from memory: the same bytes, without
+    faulting the source's pages into this process. Other writes are buffered."""
+
+    _MIN_COPY = 1 << 16
+
+    def __init__(self, path, mode: str, sources: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self._file = open(path, mode, buffering=0)
+        self._sources = sources  # (address, length, fd) of each mapped source file
+        self._buf = bytearray()
+        self._pos = 0
+        self.copied = 0  # bytes copied from a source file by the kernel
+
+    def writable(self) -> bool:
+        return True
+
+    def _source(self, view: memoryview) -> tuple[int, int] | None:
+        addr = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+        for base, length, fd in self._sources:
+            if base <= addr and addr + view.nbytes <= base + length:
+                return fd, addr - base
+        return None
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = view.nbytes
+        src = self._source(view) if n >= self._MIN_COPY and self._sources else None
+        if src is not None:
+            self.flush()
+            copy_range(src[0], src[1], n, self._file.fileno())
+            self.copied += n
+        else:
+            self._buf += view
+            if len(self._buf) >= 1 << 20:
+                self.flush()
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        if self._file.closed:
+            return
+        data = memoryview(bytes(self._buf))  # (a view of the bytearray itself would pin its size)
+        self._buf.clear()
+        while data:
+            data = data[self._file.write(data):]
+
+    def fileno(self) -> int:
+        self.flush()  # (called for fsync)
+        return self._file.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self.flush()
+            finally:
+                self._file.close()
+                super().close()
+
+
+class _CopyingFileSystem(FileSystem):
+    def __init__(self, sources: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self.sources = sources
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _CopyingStream(path, mode, self.sources) as stream:
+            yield stream
+        if stream.copied:
+            log.info("%s: %d of %d bytes copied file to file", Path(path).name, stream.copied, stream.tell())
 
 
 class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist v1, written by the calling thread (no manager process, no forked writers)."""
 
-    def __init__(self, *, crc32: bool = False, producers: dict | None = None) -> None:
+    def __init__(self, *, crc32: bool = False, producers: dict | None = None,
+                 copy_sources: list[tuple[int, int, int]] | None = None) -> None:
         super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=1)
         self.crc32 = crc32
         self.producers = producers
+        self.copy_sources = copy_sources
 
     def save(self, sharded_state_dict, checkpoint_dir: str | Path) -> None:
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
+        if self.copy_sources:
+            writer.fs = _CopyingFileSystem(self.copy_sources)
         planner_cls = _ProducingSavePlanner if self.producers is not None else MCoreSavePlanner
         planner = planner_cls(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
         if self.producers is not None:
@@ -97,15 +193,17 @@ class _ProducingSavePlanner(MCoreSavePlanner):
 
 
 def save_sharded(sharded_state_dict, checkpoint_dir: str | Path, *, crc32: bool = False,
-                 producers: dict | None = None) -> None:
+                 producers: dict | None = None, copy_sources: list[tuple[int, int, int]] | None = None) -> None:
     """``dist_checkpointing.save`` (common.pt, metadata.json, validation) with the in-process writer.
 
     ``producers``: optional ``{(sharded key, global offset tuple): fn() -> tensor}``; tensors
     of the state dict with a producer may be meta tensors (their data is made when written).
+    ``copy_sources``: ``(address, length, fd)`` of read-only file mappings (``HFReader``):
+    tensor bytes that lie in one are copied from its file by the kernel (see ``_CopyingStream``).
     """
     from megatron.core import dist_checkpointing
 
     if not torch.distributed.is_initialized():
         raise RuntimeError("save_sharded needs an initialized torch.distributed process group")
-    strategy = InProcessTorchDistSaveStrategy(crc32=crc32, producers=producers)
+    strategy = InProcessTorchDistSaveStrategy(crc32=crc32, producers=producers, copy_sources=copy_sources)
     dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=strategy)

@@ -21,8 +21,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class HFReader:
         self.files: dict[str, Path] = {}
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, begin, end
         self._maps: dict[Path, mmap.mmap] = {}
+        self._fds: dict[Path, int] = {}
         self._resident: list[tuple[mmap.mmap, int, int]] = []
         index = self.dir / INDEX_NAME
         if index.is_file():
@@ -91,17 +92,40 @@ class HFReader:
         dtype = _TORCH_DTYPES.get(st_dtype)
         if dtype is None:
             raise ValueError(f"tensor {name!r}: dtype {st_dtype} is not supported")
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
         path = self.files[name]
         mm = self._maps.get(path)
         if mm is None:
-            with open(path, "rb") as f:
-                mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            mm = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         self._resident.append((mm, begin, end))
         if begin % dtype.itemsize:  # misaligned for its dtype: a copy
             return torch.frombuffer(bytearray(mm[begin:end]), dtype=dtype).view(shape)
         return torch.frombuffer(mm, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin).view(shape)
+
+    def copy_sources(self) -> list[tuple[int, int, int]]:
+        """``(address, length, fd)`` of every file mapped so far (and of all, mapping them now):
+        writers may copy bytes that lie in a mapping from its file instead (the mappings are
+        never written, so they hold exactly the file's bytes)."""
+        out = []
+        for path in sorted(set(self.files.values())):
+            if path not in self._maps:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                if os.fstat(fd).st_size == 0:
+                    continue
+                self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            mm = self._maps[path]
+            view = np.frombuffer(mm, dtype=np.uint8)
+            out.append((view.__array_interface__["data"][0], len(mm), self._fds[path]))
+            del view
+        return out
+
+    def close(self) -> None:
+        """Close the files (tensors still viewing a mapping keep it alive)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def release(self) -> None:
         """Drop the pages of every tensor handed out so far from this process's resident memory."""
