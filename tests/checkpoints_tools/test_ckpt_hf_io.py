@@ -75,3 +75,27 @@ def test_truncated_or_corrupt_files_are_one_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(ValueError, match="corrupt safetensors header"):
         HFReader(tmp_path)
+
+
+def test_copying_stream_writes_mapped_bytes_from_their_file(tmp_path):
+    # What the torch_dist writer does with tensors that view an HFReader mapping: the same
+    # bytes land in the output, copied by the kernel from the source file.
+    from safetensors.torch import save_file
+
+    from checkpoints_tools.dist_writer import _CopyingStream
+
+    src = {"w": torch.randn(256, 256), "b": torch.randn(4)}
+    save_file(src, tmp_path / "model.safetensors")
+    reader = HFReader(tmp_path)
+    w = reader.get("w")
+    sources = reader.copy_sources()
+    stream = _CopyingStream(tmp_path / "out.bin", "wb", sources)
+    stream.write(b"head")
+    stream.write(memoryview(w.numpy()).cast("B"))  # 256 KiB inside the mapping: copied
+    stream.write(memoryview(torch.ones(64 * 1024).numpy()).cast("B"))  # big, not mapped: written
+    assert stream.tell() == 4 + w.nbytes + 4 * 64 * 1024
+    stream.close()
+    reader.close()
+    data = (tmp_path / "out.bin").read_bytes()
+    assert data == b"head" + w.numpy().tobytes() + torch.ones(64 * 1024).numpy().tobytes()
+    assert stream.copied == w.nbytes
