@@ -207,7 +207,7 @@ def main() -> int:
           f"2nd run in process {conv_warm:.2f} s vs {raw['warm_s']:.2f} s: {conv_warm / raw['warm_s']:.2f}x")
     print(f"HF -> Megatron -> HF op time {conv_op:.2f} s vs the same I/O done raw (two read + writes, "
           f"{2 * raw['op_s']:.2f} s): {conv_op / (2 * raw['op_s']):.2f}x")
-    for note in h2m["notes"] + list(dict.fromkeys(m2h["notes"])):
+    for note in dict.fromkeys(h2m["notes"] + m2h["notes"]):
         print(f"breakdown: {note}")
     worst = max(h2m["peak_rss"], m2h["peak_rss"])
     worst_work = max(h2m["peak_rss"] - h2m["rss_after_imports"], m2h["peak_rss"] - m2h["rss_after_imports"])
