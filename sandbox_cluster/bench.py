@@ -24,8 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 SNIPPETS = {
@@ -63,9 +61,18 @@ class BenchConfig:
             raise ValueError("concurrency levels must be >= 1")
 
 
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default). No numpy here: importing it
+    starts OpenBLAS threads in the benchmarking process, which then spin on the measured cores."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
 def _summary(latencies: list[float], wall: float) -> dict[str, float]:
-    arr = np.asarray(latencies) * 1000
-    return {"n": len(latencies), "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
+    ms = sorted(t * 1000 for t in latencies)
+    return {"n": len(latencies), "p50_ms": _percentile(ms, 50), "p99_ms": _percentile(ms, 99),
             "throughput_per_s": len(latencies) / wall}
 
 
