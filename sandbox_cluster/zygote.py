@@ -36,6 +36,7 @@ import gc
 import io
 import logging
 import math
+import mmap
 import os
 import resource
 import select
@@ -265,6 +266,13 @@ class Zygote:
         self._vm_size = 0  # the zygote's own address-space size (cells get it + memory_mb)
         self.served = 0
         self._spare: _Spare | None = None  # the next cell, forked ahead and waiting for its request
+        self._pending: int | None = None  # pid of a cell answered for before it was reaped (see finish)
+        self._seq = 0
+        # One shared page every cell inherits (memory, not an fd): a cell that ran to its end writes
+        # (request number, exit code, CPU time) there before closing its output, so the zygote can
+        # answer without waiting for the exit itself (tearing down a forked interpreter's page
+        # tables takes milliseconds); the process is reaped and its tree killed right after.
+        self._status = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         # Built once, before any fork: a cell only dup2()s its pipes onto fds 0/1/2 underneath them.
         self._stdio = (
             io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"),
@@ -405,6 +413,7 @@ class Zygote:
         return "zygote exec'd with a minimal environment"
 
     def close(self) -> None:
+        self.finish()
         self._drop_spare()
         for cg in (self.memory_cg, self.pids_cg):
             if cg is not None:
@@ -468,6 +477,7 @@ class Zygote:
                 pass
 
     def execute(self, req: ExecRequest) -> ExecResult:
+        self.finish()  # (the serving loop calls it right after each answer; this is for any other caller)
         mem_bytes = req.memory_mb << 20
         if self.memory_cg is not None and mem_bytes != self._memory_limit:
             try:
@@ -483,20 +493,20 @@ class Zygote:
         cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
 
         spare, self._spare = self._live_spare() or self._spawn(), None
+        self._seq += 1
+        self._status[:_CELL_STATUS.size] = bytes(_CELL_STATUS.size)
         start = time.monotonic()
         try:  # the waiting cell reads its request, then drops privileges and runs it
-            _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit) + encode(req))
+            _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit, self._seq) + encode(req))
         except BrokenPipeError:
             pass  # it died during its setup: its exit status says why
         finally:
             os.close(spare.ctrl_w)
         pid, out_r, err_r = spare.pid, spare.out_r, spare.err_r
         self.prepare_next()  # fork the next cell now, on another core, while this one runs
-        verdict, wall, exit_status, rusage, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
+        verdict, wall, exit_code, cpu_time, captures = self._supervise(pid, req.timeout, start, out_r, err_r)
         stdout, stdout_trunc = captures[0].render()
         stderr, stderr_trunc = captures[1].render()
-        cpu_time = rusage.ru_utime + rusage.ru_stime
-        exit_code = os.waitstatus_to_exitcode(exit_status)
         oom = False
         if self.memory_cg is not None:
             oom_kills = isolation.memory_oom_kills(self.memory_cg)
@@ -537,8 +547,14 @@ class Zygote:
         deadline = start + timeout
         verdict = None
         exited_at = None
+        reported = None  # (exit code, CPU s) the cell wrote at its end
         try:
             while streams or exited_at is None:
+                if not streams and exited_at is None:  # its output is closed: did it report its end?
+                    reported = self._reported()
+                    if reported is not None:
+                        exited_at = time.monotonic()
+                        break
                 now = time.monotonic()
                 if now >= deadline:
                     if exited_at is None:
@@ -563,6 +579,9 @@ class Zygote:
                         break
                 if verdict is not None:
                     break
+            if reported is not None:  # answered now, reaped by finish() right after the answer
+                self._pending = pid
+                return None, exited_at - start, reported[0], reported[1], captures
             if verdict is not None:
                 self._kill_cell(pid)
             _, exit_status, rusage = os.wait4(pid, 0)
@@ -583,10 +602,28 @@ class Zygote:
             os.close(pidfd)
             for fd in streams:
                 os.close(fd)
-        return verdict, wall, exit_status, rusage, captures
+        return verdict, wall, os.waitstatus_to_exitcode(exit_status), rusage.ru_utime + rusage.ru_stime, captures
+
+    def _reported(self) -> tuple[int, float] | None:
+        seq, code, cpu = _CELL_STATUS.unpack_from(self._status)
+        return (code, cpu) if seq == self._seq else None
+
+    def finish(self) -> None:
+        """After an answer given on the cell's own report: reap it, kill what it left, wipe."""
+        pid, self._pending = self._pending, None
+        if pid is None:
+            return
+        self._kill_cell(pid)  # (it has ended, or lied about it)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        self._kill_tree(pid)
+        self._wipe_scratch()
 
     def recover(self) -> None:
         """After an unexpected error mid-request: no process of the cell may survive it."""
+        self.finish()
         self._drop_spare()
         self._kill_tree(-1)
         self._wipe_scratch()
@@ -663,7 +700,7 @@ class Zygote:
             message = _read_to_eof(0)  # ------------------------------- waits here for its request
             if not message:
                 os._exit(0)  # the zygote shut down before a request came
-            as_limit, cpu_limit = _CELL_HEADER.unpack_from(message)
+            as_limit, cpu_limit, seq = _CELL_HEADER.unpack_from(message)
             req = decode_request(message[_CELL_HEADER.size:])
             stdin_fd = os.memfd_create("stdin") if req.stdin else os.open(os.devnull, os.O_RDONLY)
             if req.stdin:
@@ -701,7 +738,16 @@ class Zygote:
             except BaseException as exc:  # noqa: BLE001
                 os.write(2, f"sandbox setup failed: seccomp: {exc}\n".encode())
                 os._exit(EXIT_SETUP)
-        os._exit(_run_cell(req.code))
+        code = _run_cell(req.code)
+        try:  # report the end, then close the output: the zygote answers on both
+            own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+            self._status[:_CELL_STATUS.size] = _CELL_STATUS.pack(seq, code, cpu)
+            os.close(1)
+            os.close(2)
+        except BaseException:  # noqa: BLE001 - the cell's code broke something: the exit still tells
+            pass
+        os._exit(code)
 
 
 @dataclasses.dataclass(slots=True)
@@ -712,7 +758,8 @@ class _Spare:
     err_r: int
 
 
-_CELL_HEADER = struct.Struct("!QI")  # address-space limit (bytes), CPU limit (s); then the request
+_CELL_HEADER = struct.Struct("!QIQ")  # address-space limit (bytes), CPU limit (s), request number; then the request
+_CELL_STATUS = struct.Struct("=Qid")  # request number, exit code, CPU seconds: what a cell reports at its end
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -854,6 +901,7 @@ def main(argv: list[str] | None = None) -> int:
                 zygote.recover()
                 result = ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"zygote: {exc}")
             send_frame(sock, encode(result))
+            zygote.finish()
             if zygote.served % RECOLLAPSE_EVERY == 0:  # the zygote's writes since have split some
                 zygote.recollapse()  # huge pages; a few ms to merge them back
             zygote.prepare_next()  # after the reply: forking the next cell is off the request's path

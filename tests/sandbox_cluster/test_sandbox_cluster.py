@@ -229,3 +229,16 @@ def test_cancelled_arun_leaves_nothing_behind(client):
     pending, after = asyncio.run(cancel_one())
     assert pending == {}
     assert after.stdout == "after\n"
+
+
+def test_a_cell_that_closes_its_output_early_is_still_answered_by_its_exit(client):
+    # A cell reports its end (exit code, CPU time) just before it exits, so the zygote can answer
+    # without waiting for the exit; one that closes its output itself and ends otherwise must
+    # still get the exit status of the process.
+    res = client.run("import os, time\nprint('before', flush=True)\nos.close(1)\nos.close(2)\n"
+                     "time.sleep(0.2)\nos._exit(5)")
+    assert res.status is Status.ERROR and res.exit_code == 5 and res.stdout == "before\n", res
+    assert res.wall_time >= 0.2
+    res = client.run("import sys\nsum(range(10**6))\nprint('done')\nsys.exit(7)")
+    assert res.status is Status.ERROR and res.exit_code == 7 and res.stdout == "done\n", res
+    assert 0 < res.cpu_time < 5
