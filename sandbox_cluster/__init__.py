@@ -44,7 +44,9 @@ silently; ``require_full_isolation=True`` refuses to start instead):
   the cell is killed (``output_limit``);
 - leftovers: after each request every process of the cell's tree is killed through the
   slot's cgroup (or, without cgroups, by its uid), including ``setsid`` orphans; the zygote
-  is a child subreaper and reaps them;
+  is a child subreaper and reaps them. This happens before the answer, or, for a cell that
+  reported its own end and closed its output, right after it: always before the slot's
+  next request starts;
 - the infrastructure: a request whose worker or zygote dies is retried once on another slot,
   then answered ``sandbox_error``; a zygote that stops answering is killed by its worker.
 
@@ -55,6 +57,8 @@ Not protected:
 - reading world-readable files (the code, the virtualenv, /etc);
 - CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
+- a cell reports its own end (exit code, CPU time) through a page of memory it shares with
+  the zygote, so its code can forge that report: it can only misstate its own result;
 - cells of one slot run one after another under the same uid; nothing survives a
   request, but a cell can observe that the previous one ran (timing, cgroup counters);
 - the zygote shares its slot's memory cgroup with the cell (cells are born there: a v1

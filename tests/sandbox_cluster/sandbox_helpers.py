@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import psutil
 
@@ -30,13 +31,30 @@ def slot_uids(client: SandboxClient) -> set[int]:
     return uids
 
 
+# Run as the next request: the processes of the slot uid this cell can see (its pid namespace
+# is its slot's), other than itself. Anything left by the previous request would be listed.
+_PROBE = ("import os, sympy\nme = os.getpid()\n"
+          "left = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, me)\n"
+          "        and os.stat(f'/proc/{p}').st_uid == os.getuid()]\n"
+          "print(sympy.Integer(6) * 7, left)")
+
+
+def assert_no_cell_processes(client: SandboxClient, within_s: float = 2.0) -> None:
+    """No process of a slot uid is left on the host: a cell answered on its own end-of-run report
+    is reaped, and its tree killed, right after the answer (not before it)."""
+    end = time.monotonic() + within_s
+    while (left := cell_processes(slot_uids(client))) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert left == [], f"a cell process outlived its request: {left}"
+
+
 def assert_next_ok(client: SandboxClient) -> None:
-    """The slot that just ran a hostile cell serves the very next request normally."""
+    """The slot that just ran a hostile cell serves the very next request normally, and nothing
+    the hostile cell started is alive when it does."""
     async def two():  # concurrently: every idle slot (two here) gets one, so the hostile cell's slot too
-        return await asyncio.gather(*(client.arun("import sympy; print(sympy.Integer(6) * 7)", timeout=10)
-                                      for _ in range(2)))
+        return await asyncio.gather(*(client.arun(_PROBE, timeout=10) for _ in range(2)))
 
     for res in asyncio.run(two()):
         assert res.status is Status.OK, res
-        assert res.stdout == "42\n"
-    assert cell_processes(slot_uids(client)) == [], "a cell process outlived its request"
+        assert res.stdout == "42 []\n", res
+    assert_no_cell_processes(client)
