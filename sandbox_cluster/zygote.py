@@ -24,7 +24,10 @@ request-independent rlimits and waits, still root but having run no foreign code
 request on a pipe. Then it sets the CPU and address-space limits, drops to the slot's
 uid/gid, loads seccomp, and runs the code in-process with the warm modules. The zygote
 (pid 1 of its namespace, a child subreaper) enforces the wall clock and the output cap,
-then kills the cell's whole process tree and wipes the tmpfs before it answers.
+then kills the cell's whole process tree and wipes the tmpfs before it answers; a cell that
+ran to its end reports it (exit code, CPU time) in a page of memory shared with the zygote
+and closes its output, and is answered at once, the reap, tree kill and wipe following
+right after the answer (``finish``), before the next request.
 """
 
 from __future__ import annotations
