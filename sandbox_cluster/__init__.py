@@ -58,7 +58,8 @@ Not protected:
 - CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
 - a cell reports its own end (exit code, CPU time) through a page of memory it shares with
-  the zygote, so its code can forge that report: it can only misstate its own result;
+  the zygote, so its code can forge that report: it can only misstate its own result (the
+  whole page is cleared before each request: nothing written there reaches the next cell);
 - cells of one slot run one after another under the same uid; nothing survives a
   request, but a cell can observe that the previous one ran (timing, cgroup counters);
 - the zygote shares its slot's memory cgroup with the cell (cells are born there: a v1

@@ -497,7 +497,7 @@ class Zygote:
 
         spare, self._spare = self._live_spare() or self._spawn(), None
         self._seq += 1
-        self._status[:_CELL_STATUS.size] = bytes(_CELL_STATUS.size)
+        self._status[:] = bytes(len(self._status))  # all of it: no cell may leave anything for the next
         start = time.monotonic()
         try:  # the waiting cell reads its request, then drops privileges and runs it
             _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit, self._seq) + encode(req))

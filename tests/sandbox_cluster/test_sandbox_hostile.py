@@ -332,3 +332,30 @@ def test_cells_do_not_inherit_the_zygotes_priority_boost(client, cluster):
     worker = psutil.Process(cluster.worker_pids[0])
     assert worker.nice() == max(-20, int(res.stdout) - 5)  # LocalCluster's default priority_boost
     assert_next_ok(client)
+
+
+_STATUS_PAGE = (
+    "import ctypes\n"
+    "for line in open('/proc/self/maps'):\n"
+    "    addr, perms = line.split()[:2]\n"
+    "    start, end = (int(x, 16) for x in addr.split('-'))\n"
+    "    if perms == 'rw-s' and end - start == 4096:\n"
+    "        break\n"
+    "else:\n"
+    "    raise SystemExit('no shared page')\n"
+)
+
+
+def test_the_shared_status_page_carries_nothing_to_the_next_cell(client):
+    # Cells report their end through a page of memory shared with the zygote (and so with the
+    # slot's next cell): whatever a cell writes there must be gone before the next one runs.
+    res = client.run(_STATUS_PAGE + "ctypes.memmove(start + 512, b'LEAKED!!', 8)\nprint('written')")
+    assert res.status is Status.OK and res.stdout == "written\n", res
+
+    async def both_slots():
+        code = _STATUS_PAGE + "print(ctypes.string_at(start + 512, 8))"
+        return await asyncio.gather(*(client.arun(code, timeout=10) for _ in range(2)))
+
+    for res in asyncio.run(both_slots()):
+        assert res.status is Status.OK and res.stdout == "b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00'\n", res
+    assert_next_ok(client)
