@@ -108,6 +108,24 @@ def _check_hf_tensors(reader: HFReader, spec: ModelSpec, plans: list[keymap.Tens
     return table[st_dtype]
 
 
+def _swiglu_halves(p: keymap.TensorPlan, template) -> list | None:
+    """The two leaves of a SwiGLU ``linear_fc1`` factory when they are exactly the HF gate and up
+    tensors (megatron-core stores the halves separately); None for anything else."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if p.transform != "gate_up" or not isinstance(template, ShardedTensorFactory):
+        return None
+    leaves = template.build()
+    if len(leaves) == 2 and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes)):
+        return leaves
+    return None
+
+
+def _box(leaf) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, sizes) of a sharded-tensor leaf in its stored (stacked) tensor."""
+    return tuple(leaf.global_offset), (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
+
+
 def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFReader, spec: ModelSpec) -> dict:
     """``{(sharded key, global offset): fn}`` making each stored chunk from the HF tensors when it is
     written. The templates stay meta tensors; a SwiGLU ``linear_fc1`` (a factory of two halves,
@@ -140,9 +158,8 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
         if hasattr(template, "dtype"):
             template.dtype = spec.torch_dtype
         if isinstance(template, ShardedTensorFactory):
-            leaves = template.build()
-            if not (p.transform == "gate_up" and len(leaves) == 2
-                    and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes))):
+            leaves = _swiglu_halves(p, template)
+            if leaves is None:
                 raise AssertionError(f"{p.megatron}: unexpected sharded factory {template}")
             for i, leaf in enumerate(leaves):
                 producers[(leaf.key, tuple(leaf.global_offset))] = half(p, i, leaf.local_shape)
@@ -187,8 +204,7 @@ def read_megatron_tensor(reader: RegionReader, template, dtype: torch.dtype) -> 
     leaves = template.build() if isinstance(template, ShardedTensorFactory) else [template]
     parts = []
     for leaf in leaves:
-        sizes = (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
-        parts.append(reader.read(leaf.key, tuple(leaf.global_offset), sizes, dtype).view(leaf.local_shape))
+        parts.append(reader.read(leaf.key, *_box(leaf), dtype).view(leaf.local_shape))
     return template.merge_fn(parts) if isinstance(template, ShardedTensorFactory) else parts[0]
 
 
@@ -198,14 +214,9 @@ def read_hf_tensors(reader: RegionReader, p: keymap.TensorPlan, template, spec: 
     A SwiGLU ``linear_fc1`` is stored as its two halves (the factory's two leaves, which its
     merge function concatenates); ``gate_up`` would split the concatenation again, so the
     halves are read and returned as the gate and up tensors directly (no concat + split)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    if p.transform == "gate_up" and isinstance(template, ShardedTensorFactory):
-        leaves = template.build()
-        if len(leaves) == 2 and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes)):
-            return [reader.read(leaf.key, tuple(leaf.global_offset),
-                                (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape),
-                                spec.torch_dtype).view(leaf.local_shape) for leaf in leaves]
+    halves = _swiglu_halves(p, template)
+    if halves is not None:
+        return [reader.read(leaf.key, *_box(leaf), spec.torch_dtype).view(leaf.local_shape) for leaf in halves]
     return keymap.to_hf(p, read_megatron_tensor(reader, template, spec.torch_dtype), spec)
 
 
@@ -218,14 +229,12 @@ def hf_byte_spans(reader: RegionReader, p: keymap.TensorPlan, template,
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     def region(leaf):
-        reg = reader.raw_region(leaf.key, tuple(leaf.global_offset),
-                                (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape), spec.torch_dtype)
+        reg = reader.raw_region(leaf.key, *_box(leaf), spec.torch_dtype)
         return None if reg is None else (reader.fileno(reg), reg.offset, reg.length)
 
     if isinstance(template, ShardedTensorFactory):
-        leaves = template.build()
-        if not (p.transform == "gate_up" and len(leaves) == 2
-                and all(tuple(leaf.local_shape) == tuple(s) for leaf, s in zip(leaves, p.hf_shapes))):
+        leaves = _swiglu_halves(p, template)
+        if leaves is None:
             return None
         halves = [region(leaf) for leaf in leaves]
         return None if None in halves else [[h] for h in halves]

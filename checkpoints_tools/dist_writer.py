@@ -35,7 +35,6 @@ import logging
 import warnings
 from pathlib import Path
 
-import numpy as np
 
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
@@ -46,7 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from checkpoints_tools.hf_io import copy_range
+from checkpoints_tools.hf_io import buffer_address, copy_range
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class _CopyingStream(io.RawIOBase):
         return True
 
     def _source(self, view: memoryview) -> tuple[int, int] | None:
-        addr = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+        addr = buffer_address(view)
         for base, length, fd in self._sources:
             if base <= addr and addr + view.nbytes <= base + length:
                 return fd, addr - base

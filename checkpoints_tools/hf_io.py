@@ -50,7 +50,7 @@ class HFReader:
         self.dir = Path(hf_dir)
         self.files: dict[str, Path] = {}
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, begin, end
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._maps: dict[Path, mmap.mmap | None] = {}
         self._fds: dict[Path, int] = {}
         self._resident: list[tuple[mmap.mmap, int, int]] = []
         index = self.dir / INDEX_NAME
@@ -94,11 +94,7 @@ class HFReader:
             raise ValueError(f"tensor {name!r}: dtype {st_dtype} is not supported")
         if end == begin:
             return torch.empty(shape, dtype=dtype)
-        path = self.files[name]
-        mm = self._maps.get(path)
-        if mm is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            mm = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        mm = self._map(self.files[name])
         self._resident.append((mm, begin, end))
         if begin % dtype.itemsize:  # misaligned for its dtype: a copy
             return torch.frombuffer(bytearray(mm[begin:end]), dtype=dtype).view(shape)
@@ -108,18 +104,15 @@ class HFReader:
         """``(address, length, fd)`` of every file mapped so far (and of all, mapping them now):
         writers may copy bytes that lie in a mapping from its file instead (the mappings are
         never written, so they hold exactly the file's bytes)."""
-        out = []
-        for path in sorted(set(self.files.values())):
-            if path not in self._maps:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                if os.fstat(fd).st_size == 0:
-                    continue
-                self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            mm = self._maps[path]
-            view = np.frombuffer(mm, dtype=np.uint8)
-            out.append((view.__array_interface__["data"][0], len(mm), self._fds[path]))
-            del view
-        return out
+        return [(buffer_address(mm), len(mm), self._fds[path])
+                for path in sorted(set(self.files.values())) if (mm := self._map(path)) is not None]
+
+    def _map(self, path: Path) -> mmap.mmap | None:
+        """The file's copy-on-write mapping (made on first use, its fd kept); None if it is empty."""
+        if path not in self._maps:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if os.fstat(fd).st_size else None
+        return self._maps[path]
 
     def close(self) -> None:
         """Close the files (tensors still viewing a mapping keep it alive)."""
@@ -135,6 +128,11 @@ class HFReader:
             if end > start:
                 mm.madvise(_MADV_DONTNEED, start, end - start)
         self._resident.clear()
+
+
+def buffer_address(buf) -> int:
+    """The address of a buffer's first byte (read-only buffers included)."""
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
-
-log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -168,7 +168,8 @@ def expose_import_dirs(dirs: list[str], uid: int, gid: int) -> list[str]:
             for d in kept:
                 fd = _libc.syscall(ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_long(_AT_FDCWD), d.encode(),
                                    ctypes.c_long(_OPEN_TREE_CLONE | os.O_CLOEXEC))
-                _check(0 if fd >= 0 else -1, f"open_tree {d}")
+                if fd < 0:
+                    _check(-1, f"open_tree {d}")
                 clones.append((d, fd))
             st = os.stat(blocker)
             mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV,

@@ -453,19 +453,12 @@ class Zygote:
         return _Spare(pid=pid, ctrl_w=ctrl_w, out_r=out_r, err_r=err_r)
 
     def _live_spare(self) -> _Spare | None:
-        """The cell forked ahead, unless it has died meanwhile (then it is reaped and dropped)."""
+        """The cell forked ahead, unless it has died meanwhile (then it is dropped)."""
         spare = self._spare
-        if spare is not None:
-            try:
-                done, _ = os.waitpid(spare.pid, os.WNOHANG)
-            except ChildProcessError:
-                done = spare.pid
-            if done:
-                log.warning("the cell forked ahead (pid %d) died before its request; forking another", spare.pid)
-                self._spare = None
-                for fd in (spare.ctrl_w, spare.out_r, spare.err_r):
-                    os.close(fd)
-                return None
+        if spare is not None and _exited(spare.pid):
+            log.warning("the cell forked ahead (pid %d) died before its request; forking another", spare.pid)
+            self._drop_spare()  # (reaps it)
+            return None
         return spare
 
     def _drop_spare(self) -> None:
@@ -497,7 +490,7 @@ class Zygote:
 
         spare, self._spare = self._live_spare() or self._spawn(), None
         self._seq += 1
-        self._status[:] = bytes(len(self._status))  # all of it: no cell may leave anything for the next
+        self._status[:] = _ZERO_PAGE  # all of it: no cell may leave anything for the next
         start = time.monotonic()
         try:  # the waiting cell reads its request, then drops privileges and runs it
             _write_all(spare.ctrl_w, _CELL_HEADER.pack(vm_size + mem_bytes, cpu_limit, self._seq) + encode(req))
@@ -762,7 +755,16 @@ class _Spare:
 
 
 _CELL_HEADER = struct.Struct("!QIQ")  # address-space limit (bytes), CPU limit (s), request number; then the request
+_ZERO_PAGE = bytes(mmap.PAGESIZE)
 _CELL_STATUS = struct.Struct("=Qid")  # request number, exit code, CPU seconds: what a cell reports at its end
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited (a zombie, not reaped here, or reaped already)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _write_all(fd: int, data: bytes) -> None:
