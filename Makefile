@@ -32,6 +32,7 @@ test: install
 bench: install
 	$(BIN)/sandbox-cluster bench
 	$(BIN)/python bench/bench_rollout.py
+	$(BIN)/python bench/bench_fork.py
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_ckpt.py --rounds 5
 
 clean:
