@@ -102,7 +102,12 @@ class Learner:
         self._source = source
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_files)
 
-        overrides: dict = {"perform_initialization": False, "variable_seq_lengths": config.pp > 1}
+        # weights are loaded below; initialisation still runs, because it is what marks the
+        # tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``) that grad norm,
+        # clipping and weight export rely on
+        overrides: dict = {"variable_seq_lengths": config.pp > 1}
+        if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
+            overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         if config.fp8 is not None:
             overrides.update(fp8=_FP8_FORMATS[config.fp8], fp8_recipe="delayed")
         model = build_gpt_model(self.spec, use_te=True if config.fp8 else None, **overrides)
