@@ -49,8 +49,7 @@ def test_real_sglang_server_logprobs_match_a_forward_pass(gpu_model_dir, tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
-    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
-    from megatron_tir.rollout.engines.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer, SGLangServerConfig
 
     tok = AutoTokenizer.from_pretrained(gpu_model_dir)
     prompts = [tok("def fibonacci(n):").input_ids, tok("The capital of France is").input_ids]
