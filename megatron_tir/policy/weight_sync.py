@@ -5,7 +5,7 @@ refuses weight updates outside a begin/end session; ``/flush_cache`` refuses whi
 scheduler holds requests):
 
     pause (abort or retract) -> begin_weight_update -> buckets (flush_cache: false)
-      -> end_weight_update -> flush_cache (deferred) -> resume
+      -> end_weight_update -> flush_cache (retried while the scheduler drains) -> resume
 
 The session is ended and generation resumed on failure too, and the error re-raised.
 
@@ -243,15 +243,15 @@ def serialize_for_tp_ranks(bucket: Bucket, tp_size: int) -> list[str]:
     ``monkey_patch_torch_reductions`` (CUDA IPC handles keyed by device UUID), so the dump
     is made after the same patch, once per rank (each rank's copy is released separately).
     """
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
     _check_bucket(bucket)
     on_cpu = [name for name, tensor in bucket if not tensor.is_cuda]
     if on_cpu:
         raise ValueError(f"update_weights_from_tensor shares CUDA memory; {on_cpu[:3]} are not on a GPU")
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
     monkey_patch_torch_reductions()
     return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
 

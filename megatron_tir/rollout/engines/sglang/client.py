@@ -29,7 +29,7 @@ Control (every server at once; the trainer-side weight sync in
     ``begin_weight_update``/``end_weight_update`` (a session; SGLang refuses weight
     updates outside one), ``init_weights_update_group``, ``update_weights_from_distributed``,
     ``update_weights_from_tensor`` (both with ``flush_cache: false``), ``flush_cache``
-    (deferred: ``/flush_cache?timeout=S`` waits for the scheduler to go idle), and
+    (retried while the scheduler still holds requests, up to ``flush_timeout_s``), and
     ``release_memory_occupation``/``resume_memory_occupation`` (only while paused; resume
     exactly the tags released -- SGLang's scheduler dies resuming a tag it did not release).
 """
@@ -81,7 +81,7 @@ class SGLangEngineConfig:
     request_timeout_s: float = 3600.0  # one /generate call
     connect_timeout_s: float = 10.0
     control_timeout_s: float = 600.0  # weight sync, flush, pause, memory calls
-    flush_timeout_s: float = 60.0  # how long a deferred /flush_cache waits for an idle scheduler
+    flush_timeout_s: float = 60.0  # how long /flush_cache is retried while the scheduler is busy
     health_check_interval_s: float = 5.0  # 0: none (a server marked down then stays down until check_health())
     health_timeout_s: float = 10.0  # > the ~1 s SGLang's /health sleeps before answering
     keepalive_timeout_s: float = 4.0  # idle connections are dropped before the server's 5 s
@@ -280,10 +280,9 @@ class SGLangEngine:
         if self._session is not None and not self._session.closed:
             asyncio.get_running_loop().create_task(abort())
 
-    async def _post(self, url: str, path: str, payload: Any, timeout_s: float,
-                    query: dict[str, str] | None = None) -> tuple[int, Any]:
+    async def _post(self, url: str, path: str, payload: Any, timeout_s: float) -> tuple[int, Any]:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
-        async with self._session.post(f"{url}{path}", json=payload, params=query, timeout=timeout) as response:
+        async with self._session.post(f"{url}{path}", json=payload, timeout=timeout) as response:
             text = await response.text()
         try:
             body = json.loads(text) if text else None
@@ -295,7 +294,7 @@ class SGLangEngine:
 
     async def call_all(self, path: str, payload: dict[str, Any] | None = None, *,
                        payload_for: Callable[[int], dict[str, Any]] | None = None,
-                       query: dict[str, str] | None = None, fail_fast: bool = False) -> list[Any]:
+                       fail_fast: bool = False) -> list[Any]:
         """POST ``path`` to every server at once; SGLangError listing each server that failed.
 
         ``payload_for(i)`` gives server i its own payload (e.g. its rank offset). With
@@ -306,7 +305,7 @@ class SGLangEngine:
         async def one(i: int, server: ServerState) -> Any:
             body = payload_for(i) if payload_for is not None else payload
             try:
-                status, answer = await self._post(server.url, path, body, self.config.control_timeout_s, query)
+                status, answer = await self._post(server.url, path, body, self.config.control_timeout_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 raise SGLangError(f"{server.url}{path}: {exc!r}") from exc
             success = answer.get("success", True) if isinstance(answer, dict) else True
@@ -389,10 +388,35 @@ class SGLangEngine:
         await self.call_all("/end_weight_update", {})
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
-        """Drop the radix (prefix) cache, waiting up to ``timeout_s`` (default: the config's
-        ``flush_timeout_s``) for each scheduler to finish what it still holds."""
+        """Drop the radix (prefix) cache on every server, retrying a refusal for up to
+        ``timeout_s`` (default: the config's ``flush_timeout_s``).
+
+        SGLang flushes only an idle scheduler: right after an abort it may still hold the
+        batch (400), so the call is retried. A paused scheduler ignores its waiting queue
+        (retracted requests) for this check, but the deferred form ``?timeout=S`` does not
+        -- it would wait for them forever -- so it is not used.
+        """
+        await self.start()
         wait = self.config.flush_timeout_s if timeout_s is None else timeout_s
-        await self.call_all("/flush_cache", None, query={"timeout": str(wait)})
+
+        async def one(server: ServerState) -> None:
+            deadline = asyncio.get_running_loop().time() + wait
+            while True:
+                try:
+                    status, answer = await self._post(server.url, "/flush_cache", None, self.config.control_timeout_s)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    raise SGLangError(f"{server.url}/flush_cache: {exc!r}") from exc
+                if status == 200:
+                    return
+                if status != 400 or asyncio.get_running_loop().time() >= deadline:
+                    raise SGLangError(f"{server.url}/flush_cache answered {status} (for {wait:.0f}s): "
+                                      f"{error_message(answer).strip()}")
+                await asyncio.sleep(0.05)
+
+        results = await asyncio.gather(*(one(s) for s in self.pool.servers), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise SGLangError("; ".join(str(e) for e in errors))
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (``weights``, ``kv_cache``, ``cuda_graph``; None: all) while paused.

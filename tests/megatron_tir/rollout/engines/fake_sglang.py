@@ -53,7 +53,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from sglang_schema import api_types, check_io_struct, server_cli_flags, sglang_init_custom_process_group
+
+from sglang_schema import (
+    api_types,
+    check_io_struct,
+    server_cli_flags,
+    sglang_init_custom_process_group,
+)
 
 log = logging.getLogger("fake_sglang")
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from engine_testing import protocol_mismatches
-
 from megatron_tir.rollout.engines.base import (
     DEFAULT_PAUSE_MODE,
     GenerationEngine,
@@ -13,6 +11,8 @@ from megatron_tir.rollout.engines.base import (
     check_generate_args,
     pause_mode,
 )
+
+from engine_testing import protocol_mismatches
 
 
 class _Engine:

@@ -6,11 +6,16 @@ import asyncio
 
 import pytest
 import torch
-from engine_testing import protocol_mismatches, reference_logprobs, run
+from megatron_tir.rollout.engines.base import (
+    FinishReason,
+    GenerationEngine,
+    PauseMode,
+    SamplingParams,
+)
+from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 from transformers import AutoModelForCausalLM
 
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, PauseMode, SamplingParams
-from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+from engine_testing import protocol_mismatches, reference_logprobs, run
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:", "x"]
 

@@ -9,14 +9,13 @@ be compared with the local engine's for the same seeds.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
-from engine_testing import protocol_mismatches, run
-from fake_sglang import DROP_CONNECTION, FakeSGLangServer, local_engine_handler
-from sglang_schema import api_types
-
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import (
+    FinishReason,
+    GenerationEngine,
+    SamplingParams,
+)
 from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
     SGLangEngineConfig,
@@ -25,36 +24,10 @@ from megatron_tir.rollout.engines.sglang import (
     parse_generate_response,
 )
 
-EOS = (0,)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def client(urls, **overrides) -> SGLangEngine:
-    overrides.setdefault("health_check_interval_s", 0)
-    overrides.setdefault("retry_backoff_s", 0)
-    return SGLangEngine(SGLangEngineConfig(server_urls=tuple(urls), eos_token_ids=EOS, **overrides))
-
-
-def scripted(answer):
-    """A /generate handler that answers from a function of the parsed request."""
-    async def handle(req, body):
-        return answer(req) if callable(answer) else answer
-    return handle
-
-
-def canned_response(req, *, ids=(5, 6, 7), finish=None):
-    types = api_types()
-    finish = finish or types.FinishLength(length=len(ids))
-    meta = types.GenerateMetaInfo(id=req.rid, prompt_tokens=len(req.input_ids), completion_tokens=len(ids),
-                                  finish_reason=finish,
-                                  output_token_logprobs=[types.LogprobEntry(logprob=-0.5 * (i + 1), token_id=t)
-                                                         for i, t in enumerate(ids)])
-    return types.GenerateResponse(text="", meta_info=meta, output_ids=list(ids))
+from engine_testing import protocol_mismatches, run
+from fake_sglang import DROP_CONNECTION, FakeSGLangServer, local_engine_handler
+from sglang_schema import api_types
+from sglang_testing import EOS, canned_response, client, free_port, scripted
 
 
 def test_engine_matches_the_protocol_signatures():

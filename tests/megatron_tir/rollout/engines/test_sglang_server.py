@@ -14,13 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_testing import reference_logprobs, run
-from sglang_schema import server_cli_flags
+from megatron_tir.policy.weight_sync import (
+    DistributedWeightSync,
+    DistributedWeightSyncConfig,
+    buckets_of,
+)
+from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+from megatron_tir.rollout.engines.sglang import (
+    SGLangEngine,
+    SGLangEngineConfig,
+    SGLangServer,
+    SGLangServerConfig,
+)
 from transformers import AutoModelForCausalLM
 
-from megatron_tir.policy.weight_sync import DistributedWeightSync, DistributedWeightSyncConfig, buckets_of
-from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer, SGLangServerConfig
+from engine_testing import reference_logprobs, run
+from sglang_schema import server_cli_flags
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang.py")
 
