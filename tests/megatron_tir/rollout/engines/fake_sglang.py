@@ -132,7 +132,7 @@ class FakeSGLangServer:
     def __init__(self, generate: GenerateHandler, *, engine=None, join_weight_groups: bool = False,
                  tp_size: int = 1, dp_size: int = 1, enable_memory_saver: bool = False,
                  health_generation: bool | None = None, init_failure: str | None = None,
-                 abort_drain_s: float = 0.3) -> None:
+                 join_wait_s: float = 0.0, abort_drain_s: float = 0.3) -> None:
         self.generate_handler = generate
         self.engine = engine  # LocalEngine behind /generate, for pause / weights
         self.join_weight_groups = join_weight_groups  # really join /init_weights_update_group (gloo; own process)
@@ -142,6 +142,7 @@ class FakeSGLangServer:
                 "0", "false", "no", "off")
         self.health_generation = health_generation
         self.init_failure = init_failure  # a join that fails with this message
+        self.join_wait_s = join_wait_s  # without joining: how long the join call takes (a real one waits for all ranks)
         self.abort_drain_s = abort_drain_s
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
@@ -376,6 +377,7 @@ class FakeSGLangServer:
                           "(rank 0 is the trainer)")
         group_name = body.get("group_name", "weight_update_group")
         if not self.join_weight_groups:
+            await asyncio.sleep(self.join_wait_s)
             self.groups[group_name] = None
             return _json({"success": True, "message": "Succeeded to initialize custom process group."})
         assert self.tp_size == 1, "the fake joins with one TP rank"

@@ -103,14 +103,16 @@ def test_3_servers_stay_up_through_a_pause():
             await engine.wait_healthy(timeout_s=10, poll_s=0.1)
             await engine.pause(mode=PauseMode.ABORT)
             await asyncio.sleep(2.5)  # longer than one health probe may take
+            during = [s.healthy for s in engine.pool.servers]
             await engine.resume()
             out = await engine.generate([1, 2], PARAMS)
             up = [s.healthy for s in engine.pool.servers]
         for s in servers:
             await s.stop()
-        return out, up
+        return during, out, up
 
-    out, up = run(main())
+    during, out, up = run(main())
+    assert during == [True, True]
     assert out.finish_reason is FinishReason.LENGTH and up == [True, True]
 
 
@@ -320,7 +322,7 @@ def test_8_ipv6_master_addresses_are_bracketed():
 
 def test_8_a_failed_join_stops_the_wait_at_once():
     async def main():
-        servers = [FakeSGLangServer(scripted(canned_response)),
+        servers = [FakeSGLangServer(scripted(canned_response), join_wait_s=30),  # waits for the other ranks
                    FakeSGLangServer(scripted(canned_response), init_failure="NCCL error: unhandled system error")]
         async with client([await s.start() for s in servers]) as engine:
             sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
