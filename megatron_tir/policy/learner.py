@@ -402,10 +402,13 @@ class Learner:
                      loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Send the current weights to ``engine`` (global rank 0; None elsewhere). Collective.
 
-        A ``LocalEngine`` gets them through ``update_weights`` (a coroutine: run on ``loop``,
-        the event loop the engine lives on, or a fresh one when ``loop`` is None; from inside a
-        running loop use ``await sync_weights_async``). Any other engine must be a weight-sync
-        sender with ``send(buckets, *, weight_version)`` (``megatron_tir.policy.weight_sync``).
+        ``engine`` decides the transport: a ``LocalEngine`` gets them through
+        ``update_weights``; for SGLang pass the connected ``megatron_tir.policy.weight_sync``
+        object (``DistributedWeightSync`` over NCCL, ``TensorWeightSync`` when colocated), whose
+        ``send(buckets, weight_version=str(step))`` pauses the servers, loads the buckets as they
+        are exported and resumes. Both are coroutines: they run on ``loop`` (the event loop the
+        engine lives on) or on a fresh one when ``loop`` is None; from inside a running loop use
+        ``await sync_weights_async``.
         """
         coro = self.sync_weights_async(engine, bucket_bytes=bucket_bytes)
         if loop is not None:
@@ -439,6 +442,6 @@ class Learner:
         if send is None:
             for _ in buckets:  # keep the collective going on the other ranks
                 pass
-            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight-sync "
-                             f"sender with send(buckets, weight_version=...)")
-        send(buckets, weight_version=str(self.step))
+            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight sync "
+                             f"(megatron_tir.policy.weight_sync.DistributedWeightSync / TensorWeightSync)")
+        await send(buckets, weight_version=str(self.step))

@@ -13,15 +13,6 @@ from learner_testing import hf_logprobs, make_batch, ppo_loss
 from megatron_tir.policy.learner_config import LearnerConfig, TrainBatch
 
 
-@pytest.fixture(scope="module")
-def parallel_1x1():
-    from megatron_tir.policy.parallel import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
-
-
 def _learner(parallel_1x1, **kw):
     from megatron_tir.policy.learner import Learner
 
