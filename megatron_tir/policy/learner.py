@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.policy.build import build_gpt_model, te_available
-from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, META_NAME, MODEL_PREFIX, CheckpointMeta,
+from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta,
                                                    copy_hf_files, read_meta, resolve_checkpoint, write_meta)
 from megatron_tir.policy.learner_config import AGGREGATIONS, LearnerConfig, LossFn, StepResult, TrainBatch
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
@@ -354,9 +354,10 @@ class Learner:
         from megatron_tir.policy.checkpoint.dist_writer import save_sharded
 
         directory = Path(directory)
+        if directory.exists() and any(directory.iterdir()):  # every rank sees it: all raise, none waits
+            raise ValueError(f"checkpoint directory {directory} exists and is not empty")
+        torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
-            if directory.exists() and any(directory.iterdir()):
-                raise ValueError(f"checkpoint directory {directory} exists and is not empty")
             directory.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
         state = self._sharded_state(is_loading=False)
@@ -380,12 +381,10 @@ class Learner:
         diffs = [f"{k} {a[k]} vs {b[k]}" for k in a if k != "dtype" and a[k] != b[k]]
         if diffs:
             raise ValueError(f"checkpoint {directory} holds a different model: {', '.join(diffs[:3])}")
-        if not (directory / META_NAME).is_file():
-            raise ValueError(f"{directory} is not a learner checkpoint")
-        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
-        if "optimizer" not in loaded or "scheduler" not in loaded:
+        if "scheduler" not in dist_checkpointing.load_common_state_dict(str(directory)):
             raise ValueError(f"{directory} has no optimizer/scheduler state (a converted model, not a learner "
                              f"checkpoint: use it as LearnerConfig.model instead)")
+        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
         model_state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded["model"].items()}
         self._model.module.load_state_dict(model_state, strict=True)
         self._optimizer.load_state_dict(loaded["optimizer"])

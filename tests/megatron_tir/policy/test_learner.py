@@ -212,3 +212,23 @@ def test_grad_norm_equals_transformers(tiny_learner, temperature):
     (total / m.sum()).backward()
     ref = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
     assert result.grad_norm == pytest.approx(ref, rel=1e-4)
+
+
+def test_checkpoint_is_tir_ckpt_layout_and_bad_dirs_are_refused(parallel_1x1, tmp_path):
+    from safetensors.torch import load_file
+
+    from checkpoints_tools.convert import hf_to_megatron, megatron_to_hf
+    from megatron_tir.model_sources import resolve_model
+
+    learner = _learner(parallel_1x1, lr=1e-3)
+    learner.train_step(make_batch(9), ppo_loss)
+    learner.save(tmp_path / "ckpt")
+    hf = megatron_to_hf(tmp_path / "ckpt", tmp_path / "hf")  # tir-ckpt reads a learner checkpoint
+    exported = load_file(hf / "model.safetensors")
+    want = {n: t for bucket in learner.hf_weights(1 << 30) for n, t in bucket}
+    assert exported.keys() == want.keys() and all(torch.equal(exported[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        learner.save(tmp_path / "ckpt")
+    converted = hf_to_megatron(resolve_model("tiny-qwen2"), tmp_path / "converted")
+    with pytest.raises(ValueError, match="no optimizer/scheduler state"):
+        learner.load(converted)
