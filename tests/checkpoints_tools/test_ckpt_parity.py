@@ -26,8 +26,9 @@ def _check(hf, ckpt, tp, pp):
 
 
 def test_smollm2_tp1(smollm2_dir, smollm2_ckpt):
-    result = _check(smollm2_dir, smollm2_ckpt, 1, 1)
-    assert result.max_abs_diff > 0  # two different implementations, not the same code path
+    # at TP=1 both sides run the same kernels in the same order (attention: torch's fused SDPA),
+    # so the logits may agree exactly
+    _check(smollm2_dir, smollm2_ckpt, 1, 1)
 
 
 @pytest.mark.slow
