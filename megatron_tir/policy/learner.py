@@ -1,10 +1,12 @@
-"""STAND-IN (trainer branch) for the learner helper's module: only ``LearnerConfig``, with the
-fields of the team contract, so the trainer's config can be built and tested before the
+"""STAND-IN (trainer branch) for the learner helper's module: only ``LearnerConfig`` and
+``TrainBatch``, with the fields of the team contract, so the trainer's config can be built and tested before the
 ``learner`` branch is merged. The merge replaces this file with the real one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 DTYPES = ("float32", "bfloat16")
 FP8 = ("e4m3", "hybrid")
@@ -38,3 +40,11 @@ class LearnerConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.fp8 is not None and self.fp8 not in FP8:
             raise ValueError(f"fp8 must be one of {', '.join(FP8)} or null, got {self.fp8!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    tokens_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    extras: dict[str, torch.Tensor]

@@ -30,7 +30,6 @@ class LossConfig:
     kl_coef: float = 0.0  # > 0 needs reference log-probs (a frozen reference learner)
     entropy_coef: float = 0.0
     aggregation: str = "token_mean"  # token_mean | seq_mean (Eq. 1)
-    high_ratio_bound: float | None = None  # tokens with rho above it get no loss (mode high_ratio_filter)
 
     def __post_init__(self) -> None:
         if not 0 < self.clip_low < 1:
@@ -43,8 +42,6 @@ class LossConfig:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        if self.high_ratio_bound is not None and self.high_ratio_bound <= 1:
-            raise ValueError(f"high_ratio_bound must be > 1 (or null), got {self.high_ratio_bound}")
 
 
 def clipped_surrogate_BT(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor, *,
@@ -97,11 +94,14 @@ class PolicyLoss:
 
     ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
     ``kl_coef > 0``). ``max_ratio`` keeps the largest importance ratio seen on loss tokens
-    since :meth:`reset` (the Learner reports means only).
+    since :meth:`reset` (the Learner reports means only). ``high_ratio_bound`` (mode
+    high_ratio_filter): tokens whose ratio exceeds it get no loss.
     """
 
-    def __init__(self, config: LossConfig) -> None:
+    def __init__(self, config: LossConfig, *, high_ratio_bound: float | None = None) -> None:
+        assert high_ratio_bound is None or high_ratio_bound > 1
         self.config = config
+        self.high_ratio_bound = high_ratio_bound
         self.max_ratio = 0.0
 
     def reset(self) -> None:
@@ -117,8 +117,8 @@ class PolicyLoss:
             on = extras["loss_mask_BT"] > 0
             if on.any():
                 self.max_ratio = max(self.max_ratio, float(metrics["ratio"][on].max()))
-        if cfg.high_ratio_bound is not None:
-            high_BT = metrics["ratio"] > cfg.high_ratio_bound
+        if self.high_ratio_bound is not None:
+            high_BT = metrics["ratio"] > self.high_ratio_bound
             loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
             metrics["high_ratio_masked"] = high_BT.float()
         if cfg.kl_coef > 0:

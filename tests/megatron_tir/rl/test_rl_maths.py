@@ -139,7 +139,7 @@ def test_kl_k3_and_entropy_terms():
 
 
 def test_policy_loss_high_ratio_filter_and_max_ratio():
-    fn = PolicyLoss(LossConfig(high_ratio_bound=2.0))
+    fn = PolicyLoss(LossConfig(), high_ratio_bound=2.0)
     old = torch.zeros(1, 3)
     logp = torch.log(t(1.0, 2.5, 5.0))[None]
     extras = {"old_logprobs_BT": old, "advantages_BT": t(-1.0, -1.0, -1.0)[None], "loss_mask_BT": t(1, 1, 0)[None]}
