@@ -26,9 +26,11 @@ script; ``export KEY=value`` is written unquoted, so values are quoted here.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,6 +230,16 @@ def _title(spec: RunSpec) -> str:
     return f"tir-{Path(spec.run_dir).name}"
 
 
+@contextlib.contextmanager
+def _no_stdin():
+    saved = sys.stdin
+    with open(os.devnull) as sys.stdin:
+        try:
+            yield
+        finally:
+            sys.stdin = saved
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Rendered:
     sbatch: str  # the batch script
@@ -240,7 +252,8 @@ def render(cluster: Cluster, spec: RunSpec) -> Rendered:
     cluster (nemo-run's dryrun)."""
     import nemo_run as run
 
-    with tempfile.TemporaryDirectory(prefix="tir-launch-dryrun-") as tmp:
+    # nemo-run packages through invoke, which reads stdin while its commands run: give it none.
+    with tempfile.TemporaryDirectory(prefix="tir-launch-dryrun-") as tmp, _no_stdin():
         with run.Experiment(_title(spec), base_dir=tmp, log_level="WARN", clean_mode=True) as exp:
             exp._skip_status_at_exit = True
             groups = add_tasks(exp, cluster, spec)
