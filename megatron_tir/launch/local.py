@@ -56,8 +56,9 @@ class LocalResult:
     task_log: str | None  # nemo-run's log of the task
 
 
-def run_local(spec: RunSpec, *, tail_logs: bool = True) -> LocalResult:
-    """Run ``spec`` to completion through nemo-run's LocalExecutor."""
+def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = None) -> LocalResult:
+    """Run ``spec`` to completion through nemo-run's LocalExecutor (experiment files under
+    ``base_dir``, default ``$NEMORUN_HOME/experiments``)."""
     import nemo_run as run
 
     Path(spec.run_dir, "logs").mkdir(parents=True, exist_ok=True)
@@ -66,12 +67,13 @@ def run_local(spec: RunSpec, *, tail_logs: bool = True) -> LocalResult:
     env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
     executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)
     script = run.Script(inline=local_script(spec, sandbox_port=_free_port()))
-    with run.Experiment(f"tir-{Path(spec.run_dir).name}", executor=executor, log_level="WARN") as exp:
+    with run.Experiment(f"tir-{Path(spec.run_dir).name}", executor=executor, base_dir=base_dir,
+                        log_level="WARN") as exp:
         exp._skip_status_at_exit = True
         exp.add(script, name="trainer")
         exp.run(sequential=True, tail_logs=tail_logs)
         exp_dir = exp._exp_dir
-    logs = sorted(glob.glob(os.path.join(exp_dir, "**", "log*.out"), recursive=True))
+    logs = sorted(glob.glob(os.path.join(exp_dir, "**", "combined.log"), recursive=True))  # stdout + stderr
     try:
         code = int(exit_file.read_text())
     except (OSError, ValueError):

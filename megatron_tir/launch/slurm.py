@@ -63,7 +63,7 @@ def node_ranges(cluster: Cluster) -> dict[str, tuple[int, int]]:
 def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
     """Bash run once in the batch script: the groups' hosts and the addresses derived from them."""
     ranges = node_ranges(cluster)
-    t0, tn = ranges["trainer"]
+    t0 = ranges["trainer"][0]
     g0, gn = ranges["sglang"] if not cluster.sglang.colocated else ranges["trainer"]
     s0 = ranges["sandbox"][0] if cluster.sandbox.nodes else t0
     ports = " ".join(str(cluster.sglang.port + i) for i in range(cluster.servers_per_node))
@@ -200,7 +200,7 @@ def _executor(cluster: Cluster, spec: RunSpec, group: str):
     import nemo_run as run
     from nemo_run.core.tunnel.client import LocalTunnel
 
-    first, count = node_ranges(cluster)[group]
+    count = node_ranges(cluster)[group][1]
     srun_args = [f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
                  f"--nodelist=$TIR_{group.upper()}_NODES", f"--cpus-per-task={cluster.node.cpus_per_node}"]
     if group == "sandbox":
