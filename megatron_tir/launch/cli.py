@@ -117,10 +117,10 @@ def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
 
 
 def _local(args, spec: RunSpec) -> int:
-    from megatron_tir.launch.local import local_script, run_local
+    from megatron_tir.launch.local import free_port, local_script, run_local
 
     if args.dryrun:
-        print(local_script(spec, sandbox_port=0))
+        print(local_script(spec, sandbox_port=free_port()))
         return 0
     write_record(spec.run_dir, LaunchRecord(executor="local", recipe=spec.recipe, cluster=None))
     result = run_local(spec)

@@ -26,7 +26,7 @@ from megatron_tir.launch.spec import RunSpec
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,7 +66,7 @@ def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = N
     exit_file.unlink(missing_ok=True)
     env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
     executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)
-    script = run.Script(inline=local_script(spec, sandbox_port=_free_port()))
+    script = run.Script(inline=local_script(spec, sandbox_port=free_port()))
     with run.Experiment(f"tir-{Path(spec.run_dir).name}", executor=executor, base_dir=base_dir,
                         log_level="WARN") as exp:
         exp._skip_status_at_exit = True

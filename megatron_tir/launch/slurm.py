@@ -101,8 +101,8 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
-def trainer_argv(cluster: Cluster, spec: RunSpec) -> str:
-    """The trainer's command line (bash, with the setup block's variables)."""
+def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
+    """(a comment on the layout, the trainer's command line in bash with the setup block's variables)."""
     gpus = cluster.node.gpus_per_node
     world = cluster.trainer.nodes * gpus
     dp = world // (spec.layout.tp * spec.layout.pp)
@@ -121,7 +121,7 @@ def trainer_argv(cluster: Cluster, spec: RunSpec) -> str:
              '--set "sandbox.address=$TIR_SANDBOX_ADDRESS"']
     comment = (f"# torchrun: {cluster.trainer.nodes} nodes x {gpus} GPUs = {world} ranks = "
                f"TP {spec.layout.tp} x PP {spec.layout.pp} x DP {dp}")
-    return comment + "\n" + " \\\n    ".join([torchrun + " -m " + train, *sets])
+    return comment, " \\\n    ".join([torchrun + " -m " + train, *sets])
 
 
 def sglang_services(cluster: Cluster, model: str) -> list[str]:
@@ -164,8 +164,9 @@ def trainer_script(cluster: Cluster, spec: RunSpec) -> str:
     if cluster.sandbox.nodes == 0:
         body += ["# the sandbox beside the trainer, on the first trainer node's CPUs",
                  'if [ "$SLURM_PROCID" = 0 ]; then agent+=(' + " ".join(sandbox_services(cluster, head=True)) + "); fi"]
-    body += ['agent+=(--wait-http "$TIR_ENGINE_URLS" --wait-tcp "$TIR_SANDBOX_ADDRESS")',
-             trainer_argv(cluster, spec).replace("torchrun ", 'exec "${agent[@]}" -- torchrun ', 1)]
+    comment, command = trainer_argv(cluster, spec)
+    body += ['agent+=(--wait-http "$TIR_ENGINE_URLS" --wait-tcp "$TIR_SANDBOX_ADDRESS")', comment,
+             'exec "${agent[@]}" -- ' + command]
     return _script("trainer", cluster, body)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,18 @@ def test_tiny_cpu_runs_to_completion_through_the_local_executor(tmp_path, monkey
     assert len(lines) >= 2  # one line per step (contract: RUN_DIR/metrics.jsonl)
     assert (run_dir / "checkpoints" / "latest").exists()
     assert (run_dir / "logs" / "main.exit").read_text() == "0\n"
+
+
+def test_local_resume_continues_the_run_with_new_budgets(tmp_path, capsys):
+    from megatron_tir.launch.spec import LaunchRecord, write_record
+    from megatron_tir.train.config import load_recipe, to_dict
+
+    run_dir = tmp_path / "run"
+    write_record(run_dir, LaunchRecord(executor="local", recipe="tiny-cpu", cluster=None))
+    (run_dir / "config.json").write_text(json.dumps(to_dict(load_recipe("tiny-cpu"))))
+    assert main(["--resume", str(run_dir), "--set", "rollout.max_turns=10", "--dryrun"]) == 0
+    script = capsys.readouterr().out
+    main_cmd = shlex.split(script[script.index(" -- ") + 4:])
+    assert main_cmd[1:6] == ["-m", "megatron_tir.cli", "train", "--resume", str(run_dir)]
+    sets = [main_cmd[i + 1] for i, a in enumerate(main_cmd) if a == "--set"]
+    assert sets[0] == "rollout.max_turns=10" and re.fullmatch(r"sandbox\.address=tcp://127\.0\.0\.1:[0-9]+", sets[1])
