@@ -45,6 +45,8 @@ class Partition:
 class TrainerGroup:
     nodes: int
     partition: str | None = None  # None: the cluster's partition
+    container_image: str | None = None  # None: the cluster's image
+    mounts: list[str] = field(default_factory=list)  # added to the cluster's mounts for this group
     env: dict[str, str] = field(default_factory=dict)  # added to the cluster's env for this group
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class SGLangGroup:
     port: int = 30000  # first server's port on a node; the next server of the node takes port + 1 ...
     mem_fraction_static: float | None = None  # None: SGLang's default (colocated: 0.5)
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server verbatim
+    container_image: str | None = None
+    mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class SandboxGroup:
     partition: str | None = None
     workers_per_node: int = 32  # sandbox worker processes (one warm zygote each) per node
     port: int = 5555  # broker's client endpoint; workers connect to port + 1
+    container_image: str | None = None
+    mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,7 +106,7 @@ class Cluster:
     partition: str  # the allocation's partition (every group's unless it names its own)
     partitions: dict[str, Partition]
     time: str  # Slurm time limit of the allocation, e.g. "04:00:00"
-    container_image: str  # pyxis/enroot image with megatron-tir, SGLang and the sandbox installed
+    container_image: str  # pyxis/enroot image with megatron-tir installed (each group may name its own)
     job_dir: str  # shared folder for nemo-run's sbatch scripts and the groups' logs
     run_root: str  # shared folder for run dirs (<run_root>/<recipe>-<time>)
     trainer: TrainerGroup
@@ -118,9 +124,11 @@ class Cluster:
                 raise ValueError(f"{key} is empty")
         if not self.partitions:
             raise ValueError("partitions is empty")
-        for mount in self.mounts:
-            if ":" not in mount:
-                raise ValueError(f"mounts: {mount!r} is not src:dst")
+        for where, mounts in (("mounts", self.mounts), ("trainer.mounts", self.trainer.mounts),
+                              ("sglang.mounts", self.sglang.mounts), ("sandbox.mounts", self.sandbox.mounts)):
+            for mount in mounts:
+                if ":" not in mount:
+                    raise ValueError(f"{where}: {mount!r} is not src:dst")
         for key in list(self.env) + list(self.trainer.env) + list(self.sglang.env) + list(self.sandbox.env):
             if not key.replace("_", "a").isalnum() or key[0].isdigit():
                 raise ValueError(f"env: {key!r} is not a variable name")
@@ -147,6 +155,12 @@ class Cluster:
 
     def partition_of(self, group: str) -> str:
         return getattr(self, group).partition or self.partition
+
+    def image_of(self, group: str) -> str:
+        return getattr(self, group).container_image or self.container_image
+
+    def mounts_of(self, group: str) -> list[str]:
+        return [*self.mounts, *getattr(self, group).mounts]
 
     @property
     def node(self) -> Partition:

@@ -188,8 +188,8 @@ def sandbox_script(cluster: Cluster, spec: RunSpec) -> str:
 # ----------------------------------------------------------------------------- nemo-run
 
 
-def _mounts(cluster: Cluster, spec: RunSpec) -> list[str]:
-    mounts = list(cluster.mounts)
+def _mounts(cluster: Cluster, spec: RunSpec, group: str) -> list[str]:
+    mounts = cluster.mounts_of(group)
     run_parent = str(Path(spec.run_dir).parent)
     if not any(run_parent == dst or run_parent.startswith(dst.rstrip("/") + "/")
                for dst in (m.split(":")[1] for m in mounts)):
@@ -209,7 +209,7 @@ def _executor(cluster: Cluster, spec: RunSpec, group: str):
     return run.SlurmExecutor(
         account=cluster.account, partition=cluster.partition_of("trainer"), qos=cluster.qos, time=cluster.time,
         nodes=cluster.total_nodes, ntasks_per_node=1, gpus_per_node=cluster.node.gpus_per_node, exclusive=True,
-        mem="0", container_image=cluster.container_image, container_mounts=_mounts(cluster, spec),
+        mem="0", container_image=cluster.image_of(group), container_mounts=_mounts(cluster, spec, group),
         env_vars={k: shlex.quote(v) for k, v in cluster.env.items()}, srun_args=srun_args,
         setup_lines=setup_lines(cluster, spec), job_name_prefix="tir-", tunnel=LocalTunnel(job_dir=cluster.job_dir),
         packager=run.Packager(), wait_time_for_group_job=5, monitor_group_job_wait_time=30)

@@ -30,6 +30,7 @@ def _layout(tp: int, pp: int) -> TrainerLayout:
     ({"trainer.nodes": "four"}, "trainer.nodes: expected int"),
     ({"trainer.nodes": 0}, "trainer: nodes must be >= 1"),
     ({"mounts": ["/no/colon"]}, "mounts: '/no/colon' is not src:dst"),
+    ({"sandbox.mounts": ["/no/colon"]}, "sandbox.mounts: '/no/colon' is not src:dst"),
     ({"partition": "gpu"}, "trainer.partition: 'gpu' is not in partitions"),
     ({"trainer.partition": "cpu"}, "trainer.partition: 'cpu' has no GPUs"),
     ({"sandbox.partition": "cpu"}, "sandbox.partition: 'cpu' differs from the trainer's 'batch'"),

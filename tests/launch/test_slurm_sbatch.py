@@ -298,3 +298,17 @@ def test_cli_emit_sbatch_writes_the_script_and_its_group_scripts(example_cluster
         assert (tmp_path / f"job.sbatch.{group}.sh").read_text().startswith("#!/usr/bin/bash")
     assert not (tmp_path / "run").exists()  # nothing submitted, nothing recorded
     assert "wrote" in capsys.readouterr().out
+
+
+def test_each_group_can_have_its_own_image_and_mounts(cluster_file, tmp_path):
+    path = cluster_file({"sglang.container_image": "lmsysorg/sglang:v0.5.4", "sandbox.mounts": ["/scratch:/scratch"]})
+    lines = _srun_lines(_render(path, tmp_path / "runs" / "r").sbatch)
+    words = [line.split() for line in lines]  # sandbox, sglang, trainer
+    images = [w[w.index("--container-image") + 1] for w in words]
+    mounts = [w[w.index("--container-mounts") + 1].split(",") for w in words]
+    base = load_cluster(path).container_image
+    assert images == [base, "lmsysorg/sglang:v0.5.4", base]
+    assert ["/scratch:/scratch" in m for m in mounts] == [True, False, False]
+    for m in mounts:  # the cluster's mounts and the run dir's parent reach every group
+        assert "/lustre/fsw/my_project:/lustre/fsw/my_project" in m
+        assert f"{tmp_path / 'runs'}:{tmp_path / 'runs'}" in m
