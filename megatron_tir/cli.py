@@ -87,11 +87,18 @@ _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Ca
 }
 
 
+def _train_subcommands() -> dict:
+    """``train`` and ``plot``, defined in megatron_tir.train.cli."""
+    from megatron_tir.train.cli import SUBCOMMANDS
+
+    return SUBCOMMANDS
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-tir", description="Multi-turn tool-integrated reasoning RL.")
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_args, run) in _SUBCOMMANDS.items():
+    for name, (help_text, add_args, run) in (_SUBCOMMANDS | _train_subcommands()).items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(_run=run)

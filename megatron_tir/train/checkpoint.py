@@ -46,7 +46,7 @@ class TrainerState:
 
 
 def _fsync_tree(path: Path) -> None:
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:

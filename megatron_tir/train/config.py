@@ -38,6 +38,7 @@ class DataConfig:
     eval: str = "arithmetic"  # held-out prompts: "arithmetic" draws from a disjoint seed
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
+    eval_temperature: float | None = None  # None: the rollout temperature
     shuffle_seed: int = 0
     arithmetic_digits: int = 4  # operand digits of the generated task
     arithmetic_terms: int = 2

@@ -1,0 +1,97 @@
+"""Rank 0's side of the run: the generation engine, the sandbox cluster, the verifier and the
+async rollout driver, kept alive across steps on one asyncio event loop.
+
+Engines are paused around a weight sync and resumed after it (``pause_for_sync``); a
+trajectory in flight never straddles a sync, because a step's rollouts have all finished
+before the update starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from megatron_tir.data.problems import Problem
+from megatron_tir.rollout import ClusterSandbox, Group, RolloutConfig, TIRRollout
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cfg: EngineConfig, model_dir, *, seed: int):
+    """The generation engine of ``cfg`` and its tokenizer."""
+    if cfg.kind == "local":
+        from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+
+        engine = LocalEngine(LocalEngineConfig(model=str(model_dir), max_batch_size=cfg.max_batch_size, seed=seed))
+        return engine, engine.tokenizer
+    from transformers import AutoTokenizer
+
+    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
+    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = resolve_eos_token_ids(model_dir, tokenizer=tokenizer)
+    return SGLangEngine(SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=eos)), tokenizer
+
+
+class RolloutWorker:
+    """Owns the engine, the sandbox and the event loop on rank 0 (a context manager)."""
+
+    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir, seed: int) -> None:
+        self._stack = contextlib.ExitStack()
+        try:
+            self._start(engine_cfg, sandbox_cfg, model_dir, seed)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir, seed: int) -> None:
+        from megatron_tir.reward import MathVerifier
+
+        self.runner = self._stack.enter_context(asyncio.Runner())
+        address = sandbox_cfg.address
+        if address is None:
+            from sandbox_cluster import LocalCluster
+
+            log.info("starting a local sandbox cluster with %d workers", sandbox_cfg.workers)
+            address = self._stack.enter_context(LocalCluster(workers=sandbox_cfg.workers)).address
+        self.sandbox = ClusterSandbox.connect(address)
+        self._stack.callback(self.sandbox.close)
+        self.verifier = self._stack.enter_context(MathVerifier())
+        self.engine, self.tokenizer = build_engine(engine_cfg, model_dir, seed=seed)
+        self._stack.callback(lambda: self.runner.run(self.engine.close()))
+
+    def rollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
+                progress: bool = False, desc: str = "rollout") -> list[Group]:
+        return self.runner.run(self.arollout(problems, config, group_id_offset=group_id_offset, progress=progress,
+                                             desc=desc))
+
+    async def arollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
+                       progress: bool = False, desc: str = "rollout") -> list[Group]:
+        driver = TIRRollout(self.engine, self.tokenizer, self.sandbox, config, verifier=self.verifier)
+        if not progress:
+            return await driver.run(problems, group_id_offset=group_id_offset)
+        from tqdm import tqdm
+
+        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
+            return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
+
+    @contextlib.contextmanager
+    def pause_for_sync(self):
+        self.runner.run(self.engine.pause())
+        try:
+            yield self.engine
+        finally:
+            self.runner.run(self.engine.resume())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> RolloutWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
