@@ -57,7 +57,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     lengths: list[float] = []
     rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc)
     if rank == 0 and state.step == 0 and held_out:
-        sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg))
+        sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg) | {"time/unix": time.time()})
     steps = range(state.step + 1, tc.steps + 1)
     if rank == 0 and tc.progress:
         from tqdm import tqdm
@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             metrics |= {"budget/max_turns": rollout_cfg.max_turns,
                         "budget/max_response_tokens": rollout_cfg.max_response_tokens, "train/lr": learner.lr}
         if rank == 0:
-            sink.log(step, metrics | timings)
+            sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
         if step == tc.steps or (tc.save_every and step % tc.save_every == 0):
