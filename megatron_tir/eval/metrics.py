@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
 from megatron_tir.tir.markup import TurnKind
+from sandbox_cluster.protocol import Status
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -124,7 +125,7 @@ def compute_metrics(groups: Sequence[Group], k: int) -> EvalMetrics:
         void_ratio=_ratio(sum(t.status is FinishStatus.VOID for t in trajs), T),
         void_turn_ratio=_ratio(sum(turn.kind is TurnKind.VOID for turn in turns), len(turns)),
         code_use_ratio=_ratio(sum(bool(_executions(t)) for t in trajs), T),
-        valid_code_ratio=_ratio(sum(e.status == "ok" for e in execs), len(execs)),
+        valid_code_ratio=_ratio(sum(e.status is Status.OK for e in execs), len(execs)),
         mean_turns=_ratio(len(turns), T),
         mean_code_calls=_ratio(len(execs), T),
         correct_with_code=_ratio(sum(bool(_executions(t)) for t in correct_trajs), len(correct_trajs)),

@@ -64,6 +64,7 @@ class TurnKind(str, enum.Enum):
     CODE = "code"  # a complete executable code block: run it, append its feedback
     ANSWER = "answer"  # no complete code block, a final \boxed{} answer in prose
     VOID = "void"  # neither: the trajectory stops and is excluded from the policy loss
+    ABORTED = "aborted"  # the engine aborted the turn before any code or answer: not the model's doing, never void
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -241,32 +242,37 @@ class TurnClass:
     lang: str | None = None
     answer: str | None = None  # the last \boxed{} in the turn's prose, whatever the kind
     code_end: int | None = None  # for "code": offset just past the closing fence
+    final: bool = False  # the turn gives a final answer: the trajectory ends after it (after its code runs)
 
     @property
     def void(self) -> bool:
         return self.kind is TurnKind.VOID
 
 
-def classify_turn(text: str, finish_reason: str | None = None) -> TurnClass:
+def classify_turn(text: str, finish_reason: str | None = None, *, tools: bool = True) -> TurnClass:
     """Classify one model turn (its text only, no prompt or feedback).
+
+    ``tools=False`` (text-only rollouts): code blocks are text; the turn is an answer or void.
 
     ``finish_reason`` is how generation of the turn ended (``"stop"``, ``"eos"``,
     ``"length"``, ``"abort"``, or a :class:`~megatron_tir.rollout.engines.base.FinishReason`);
     it only refines the reason text, never the kind, except that an aborted turn with no
-    code or answer is void with reason "aborted by the engine".
+    code or answer is ``aborted`` (an infrastructure outcome, never void).
     """
     fr = getattr(finish_reason, "value", finish_reason)
     if fr not in (None, "stop", "eos", "length", "abort"):
         raise ValueError(f"unknown finish_reason {finish_reason!r} (stop, eos, length, abort)")
     m = parse(text)
     answer = last_boxed(m.prose)
-    block = m.first_executable
+    block = m.first_executable if tools else None
     if block is not None:
         reason = "complete python code block" if block.lang else "complete code block (no language tag)"
         if not block.code.strip():
             reason = "complete but empty code block"
+        if answer is not None:
+            reason += " and a boxed final answer (the trajectory ends after the code runs)"
         return TurnClass(kind=TurnKind.CODE, reason=reason, code=block.code, lang=block.lang,
-                         answer=answer, code_end=block.end)
+                         answer=answer, code_end=block.end, final=answer is not None)
     open_block = m.open_block
     tail = {"length": "length cut", "eos": "EOS", "stop": "stop", "abort": "engine abort", None: "end of text"}[fr]
     if answer is not None:
@@ -275,9 +281,11 @@ def classify_turn(text: str, finish_reason: str | None = None) -> TurnClass:
             reason += f" (then an unclosed code block, {tail})"
         elif fr == "length":
             reason += " (then cut by the length limit)"
-        return TurnClass(kind=TurnKind.ANSWER, reason=reason, answer=answer)
+        return TurnClass(kind=TurnKind.ANSWER, reason=reason, answer=answer, final=True)
     if fr == "abort":
-        return TurnClass(kind=TurnKind.VOID, reason="aborted by the engine")
+        return TurnClass(kind=TurnKind.ABORTED, reason="aborted by the engine")
+    if not tools:
+        return TurnClass(kind=TurnKind.VOID, reason=f"no final answer (text-only, {tail})")
     if open_block is not None:
         what = "code block" if open_block.executable else f"'{open_block.lang}' block"
         if fr == "length":

@@ -8,6 +8,7 @@ from megatron_tir.eval import compute_metrics, pass_at_k
 from megatron_tir.rollout import FinishStatus, Group, ToolCall, Trajectory, Turn
 from megatron_tir.rollout.engines.base import FinishReason
 from megatron_tir.tir import TurnKind
+from sandbox_cluster.protocol import ExecResult, Status
 
 
 def test_pass_at_k_unbiased_estimator_by_hand():
@@ -25,7 +26,7 @@ def test_pass_at_k_unbiased_estimator_by_hand():
 
 
 def T(kind, tool_status=None):
-    tool = None if tool_status is None else ToolCall(status=tool_status)
+    tool = None if tool_status is None else ToolCall(result=ExecResult(id="", status=Status(tool_status)))
     return Turn(index=0, kind=kind, reason="", finish_reason=FinishReason.STOP, start=0, model_tokens=1,
                 code="x" if kind is TurnKind.CODE else None, tool=tool)
 

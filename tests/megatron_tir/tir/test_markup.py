@@ -135,13 +135,17 @@ def test_answer_then_length_cut_is_still_an_answer():
         ("```python\nx = 1\n", "eos", "EOS inside an unclosed code block (partial code)"),
         ("```pyth", "length", "length cut inside a 'pyth' block (partial code)"),
         ("", "eos", "EOS without code or answer"),
-        ("so so so so", "abort", "aborted by the engine"),
     ],
 )
 def test_void_turns(text, finish, reason):
     c = classify_turn(text, finish)
     assert c.kind is TurnKind.VOID and c.void
     assert c.reason == reason
+
+
+def test_an_aborted_turn_is_not_void():
+    c = classify_turn("so so so so", "abort")
+    assert c.kind is TurnKind.ABORTED and not c.void and c.reason == "aborted by the engine"
 
 
 def test_code_beats_answer_and_answer_is_reported():
