@@ -9,7 +9,9 @@ by the field's type (``null`` for None, ``true``/``false``, comma-separated tupl
 section's ``__post_init__`` validates the result. Any error names the key.
 
 The top-level ``model`` is the one place the policy is named: ``learner.model`` and
-``engine.model`` follow it.
+``engine.model`` follow it. ``trainer.mode`` decides ``rollout.void_turn`` (stop or continue
+at a void turn, see :mod:`megatron_tir.rl.rows`); ``rollout.tools=false`` is the text-only
+baseline with the same loop.
 """
 
 from __future__ import annotations
@@ -136,12 +138,7 @@ class TrainConfig:
         if self.trainer.mini_batches > 1 and self.trainer.prompts_per_step % self.trainer.mini_batches:
             raise ValueError(f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
                              f"trainer.mini_batches ({self.trainer.mini_batches})")
-        void_turn = MODES[self.trainer.mode].void_turn
-        if getattr(self.rollout, "void_turn", "stop") != void_turn:
-            if not hasattr(self.rollout, "void_turn"):
-                raise ValueError(f"trainer.mode={self.trainer.mode} needs rollout.void_turn={void_turn!r}, "
-                                 "which this rollout driver does not have")
-            self.rollout.void_turn = void_turn
+        self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
         if self.trainer.loss.kl_coef > 0:
             raise ValueError("trainer.loss.kl_coef > 0 needs a reference learner, which this trainer does not build")
 
