@@ -154,8 +154,11 @@ def tiny_cpu() -> TrainConfig:
         engine=EngineConfig(max_batch_size=8),
         sandbox=SandboxConfig(workers=1),
         data=DataConfig(eval_size=2),
-        trainer=TrainerConfig(steps=2, prompts_per_step=2, drop_zero_std=False, overlong="keep", save_every=1,
-                              progress=False),
+        # A random model earns no reward and every trajectory is void: void rows stay in the loss and a
+        # small entropy bonus gives the update a gradient, so every stage of a step runs.
+        trainer=TrainerConfig(steps=2, mode="stop_without_filter", prompts_per_step=2, drop_zero_std=False,
+                              overlong="keep", save_every=1, progress=False,
+                              loss=LossConfig(entropy_coef=1e-3)),
     )
 
 
