@@ -49,7 +49,7 @@ class MemorySampler:
             self.samples.append((time.time(), self._proc.memory_info().rss))
             self._stop.wait(interval_s)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 
