@@ -89,11 +89,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
-                if rank == 0:
-                    with worker.pause_for_sync() as engine:
-                        learner.sync_weights(engine)
-                else:
-                    learner.sync_weights(None)
+                worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
         else:
             metrics["train/skipped_empty_batch"] = 1.0
             log.warning("step %d: no group passed the filters; no update", step)

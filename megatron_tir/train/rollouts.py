@@ -1,7 +1,7 @@
 """Rank 0's side of the run: the generation engine, the sandbox cluster, the verifier and the
 async rollout driver, kept alive across steps on one asyncio event loop.
 
-Engines are paused around a weight sync and resumed after it (``pause_for_sync``); a
+Engines are paused around a weight sync and resumed after it (``sync_from``); a
 trajectory in flight never straddles a sync, because a step's rollouts have all finished
 before the update starts.
 """
@@ -79,11 +79,12 @@ class RolloutWorker:
         with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
-    @contextlib.contextmanager
-    def pause_for_sync(self):
+    def sync_from(self, learner) -> None:
+        """The learner's current weights into the engine, paused around the copy (collective:
+        the other ranks call ``learner.sync_weights(None)`` at the same time)."""
         self.runner.run(self.engine.pause())
         try:
-            yield self.engine
+            learner.sync_weights(self.engine, loop=self.runner.get_loop())
         finally:
             self.runner.run(self.engine.resume())
 

@@ -40,11 +40,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox,
                                    model_dir=resolve_model(cfg.model), seed=cfg.trainer.seed)
         if resume:  # the engines start from the base weights: give them the policy's
-            if rank == 0:
-                with worker.pause_for_sync() as engine:
-                    learner.sync_weights(engine)
-            else:
-                learner.sync_weights(None)
+            worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
         return train(cfg, run_dir, state, learner=learner, worker=worker)
     finally:
         if worker is not None:
