@@ -75,7 +75,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         rt = None
         with _timed(timings, "rollout"):
             if rank == 0:
-                one_round = functools.partial(_sample_round, worker, stream, tc.prompts_per_round, rollout_cfg)
+                one_round = functools.partial(_sample_round, worker, stream, tc.prompts_per_round, rollout_cfg,
+                                              tc.progress)
                 got = worker.runner.run(collect_groups(one_round, want=tc.prompts_per_step,
                                                        max_rounds=tc.max_sample_rounds, drop_zero_std=tc.drop_zero_std,
                                                        accuracy_lo=tc.accuracy_lo, accuracy_hi=tc.accuracy_hi))
@@ -116,9 +117,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     return state
 
 
-async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg):
+async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progress: bool):
     start = stream.position  # group ids are positions in the prompt stream
-    return await worker.arollout(stream.take(n), rollout_cfg, group_id_offset=start, progress=False)
+    return await worker.arollout(stream.take(n), rollout_cfg, group_id_offset=start, progress=progress)
 
 
 def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, temperature: float) -> dict:
