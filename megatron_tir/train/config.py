@@ -139,8 +139,6 @@ class TrainConfig:
             raise ValueError(f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
                              f"trainer.mini_batches ({self.trainer.mini_batches})")
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
-        if self.trainer.loss.kl_coef > 0:
-            raise ValueError("trainer.loss.kl_coef > 0 needs a reference learner, which this trainer does not build")
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -46,8 +46,9 @@ def _timed(timings: dict, name: str):
     timings[f"time/{name}"] = time.perf_counter() - t0
 
 
-def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker) -> TrainerState:
-    """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None."""
+def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None) -> TrainerState:
+    """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
+    ``reference`` a frozen learner of the initial policy (KL term), else None."""
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
@@ -87,7 +88,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                 rt = to_tensors(got.groups, pad_id=_pad_id(worker.tokenizer)).as_dict() if got.groups else None
         rt = _broadcast(rt)
         if rt is not None:
-            metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature)
+            metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
                 worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
@@ -122,7 +123,8 @@ async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progr
     return await worker.arollout(stream.take(n), rollout_cfg, group_id_offset=start, progress=progress)
 
 
-def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, temperature: float) -> dict:
+def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, temperature: float,
+                  reference=None) -> dict:
     """Old log-probs, advantages and masks, then PPO epochs over mini-batches; the train metrics."""
     tc = cfg.trainer
     with _timed(timings, "logprobs"):
@@ -130,8 +132,10 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             old_BT = learner.logprobs(rt.tokens_BT, rt.attention_mask_BT, temperature=temperature)
         else:
             old_BT = rt.engine_logprobs_BT
+        ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
+                                                                   temperature=temperature)
     update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.advantage, std_normalize=tc.std_normalize,
-                          overlong=tc.overlong, low_prob_fraction=tc.low_prob_fraction)
+                          overlong=tc.overlong, low_prob_fraction=tc.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
     results = []

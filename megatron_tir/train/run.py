@@ -31,6 +31,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         learner = Learner(cfg.learner)
+        # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
+        reference = Learner(cfg.learner) if cfg.trainer.loss.kl_coef > 0 else None
         if resume:
             loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last).load(learner)
             state.step, state.data_position = loaded.step, loaded.data_position
@@ -41,7 +43,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
                                    model_dir=resolve_model(cfg.model), seed=cfg.trainer.seed)
         if resume:  # the engines start from the base weights: give them the policy's
             worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
-        return train(cfg, run_dir, state, learner=learner, worker=worker)
+        return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)
     finally:
         if worker is not None:
             worker.close()
