@@ -51,6 +51,10 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
         "mean_model_tokens": m.mean_model_tokens,
         "mean_feedback_tokens": m.mean_response_tokens - m.mean_model_tokens,
         "trajectories": float(len(trajs)),
+        # per trajectory (they overlap in time: many trajectories are in flight at once)
+        "generation_s": sum(t.timings.generation_s for t in trajs) / len(trajs),
+        "tool_s": sum(t.timings.tool_s for t in trajs) / len(trajs),
+        "reward_s": sum(t.timings.reward_s for t in trajs) / len(trajs),
     }
     for status, n in m.status_counts.items():
         out[f"status_{status}"] = float(n)
