@@ -55,7 +55,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None) if rank == 0 else None
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
-    lengths: list[float] = []
+    lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
     rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc)
     if rank == 0 and state.step == 0 and held_out:
         sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg) | {"time/unix": time.time()})
@@ -103,7 +103,6 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                     metrics |= evaluate(cfg, worker, held_out, rollout_cfg)
             metrics |= {"budget/max_turns": rollout_cfg.max_turns,
                         "budget/max_response_tokens": rollout_cfg.max_response_tokens, "train/lr": learner.lr}
-        if rank == 0:
             sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
