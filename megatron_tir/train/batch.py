@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megatron_tir.policy.learner import TrainBatch
+from megatron_tir.policy.learner_config import TrainBatch
 from megatron_tir.rl import (
     MODES,
     group_keep_G,

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_tir.policy.learner import LearnerConfig
+from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
