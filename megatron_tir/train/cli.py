@@ -94,8 +94,12 @@ def run_plot_command(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS = {
-    "train": ("GRPO training with multi-turn TIR rollouts (recipes, --set overrides, --resume)", add_train_args,
-              run_train_command),
-    "plot": ("write PNG curves of a run's metrics into RUN_DIR/plots", add_plot_args, run_plot_command),
-}
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``train`` and ``plot`` to the ``megatron-tir`` subcommands."""
+    for name, help_text, add_args, func in (
+            ("train", "GRPO training with multi-turn TIR rollouts (recipes, --set overrides, --resume)",
+             add_train_args, run_train_command),
+            ("plot", "write PNG curves of a run's metrics into RUN_DIR/plots", add_plot_args, run_plot_command)):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(func=func)

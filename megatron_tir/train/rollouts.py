@@ -14,54 +14,30 @@ import logging
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
-from megatron_tir.rollout import ClusterSandbox, Group, RolloutConfig, TIRRollout
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine, open_sandbox
 
 log = logging.getLogger(__name__)
-
-
-def build_engine(cfg: EngineConfig, model_dir, *, seed: int):
-    """The generation engine of ``cfg`` and its tokenizer."""
-    if cfg.kind == "local":
-        from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
-
-        engine = LocalEngine(LocalEngineConfig(model=str(model_dir), max_batch_size=cfg.max_batch_size, seed=seed))
-        return engine, engine.tokenizer
-    from transformers import AutoTokenizer
-
-    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
-    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = resolve_eos_token_ids(model_dir, tokenizer=tokenizer)
-    return SGLangEngine(SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=eos)), tokenizer
 
 
 class RolloutWorker:
     """Owns the engine, the sandbox and the event loop on rank 0 (a context manager)."""
 
-    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir, seed: int) -> None:
+    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
         self._stack = contextlib.ExitStack()
         try:
-            self._start(engine_cfg, sandbox_cfg, model_dir, seed)
+            self._start(engine_cfg, sandbox_cfg, model_dir)
         except BaseException:
             self._stack.close()
             raise
 
-    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir, seed: int) -> None:
+    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
         from megatron_tir.reward import MathVerifier
 
         self.runner = self._stack.enter_context(asyncio.Runner())
-        address = sandbox_cfg.address
-        if address is None:
-            from sandbox_cluster import LocalCluster
-
-            log.info("starting a local sandbox cluster with %d workers", sandbox_cfg.workers)
-            address = self._stack.enter_context(LocalCluster(workers=sandbox_cfg.workers)).address
-        self.sandbox = ClusterSandbox.connect(address)
-        self._stack.callback(self.sandbox.close)
+        self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
         self.verifier = self._stack.enter_context(MathVerifier())
-        self.engine, self.tokenizer = build_engine(engine_cfg, model_dir, seed=seed)
+        self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
 
     def rollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,

@@ -117,4 +117,4 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, args, message):
     p = cli("train", *args, timeout=120)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megatron-tir train: error:") and message in lines[0], p.stderr
+    assert len(lines) == 1 and lines[0].startswith("megatron-tir: error:") and message in lines[0], p.stderr
