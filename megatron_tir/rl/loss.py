@@ -27,7 +27,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # None: off
-    kl_coef: float = 0.0  # > 0 needs reference log-probs (a frozen reference learner)
+    kl_coef: float = 0.0  # > 0: the trainer builds a frozen reference learner for ref_logprobs_BT
     entropy_coef: float = 0.0
     aggregation: str = "token_mean"  # token_mean | seq_mean (Eq. 1)
 

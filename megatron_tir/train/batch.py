@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megatron_tir.policy.learner import TrainBatch
+from megatron_tir.policy.learner_config import TrainBatch
 from megatron_tir.rl import (
     MODES,
     group_keep_G,
@@ -80,7 +80,8 @@ class Update:
 
 
 def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str,
-                 std_normalize: bool, overlong: str, low_prob_fraction: float) -> Update:
+                 std_normalize: bool, overlong: str, low_prob_fraction: float,
+                 ref_logprobs_BT: torch.Tensor | None = None) -> Update:
     spec = MODES[mode]
     stats_B, loss_B = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B,
                                   drop_void=spec.drop_void, overlong=overlong)
@@ -97,10 +98,11 @@ def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str
         low_prob_masked = int(((1 - keep_BT) * mask_BT).sum())
         mask_BT = mask_BT * keep_BT
     rows = mask_BT.sum(1) > 0
-    batch = TrainBatch(
-        tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows], loss_mask_BT=mask_BT[rows],
-        extras={"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows],
-                "loss_mask_BT": mask_BT[rows]})
+    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows]}
+    if ref_logprobs_BT is not None:
+        extras["ref_logprobs_BT"] = ref_logprobs_BT[rows]
+    batch = TrainBatch(tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows],
+                       loss_mask_BT=mask_BT[rows], extras=extras)
     return Update(batch=batch, group_of_row=rt.group_index_B[rows], advantages_B=adv_B, stats_B=stats_B,
                   loss_B=loss_B, low_prob_masked=low_prob_masked)
 

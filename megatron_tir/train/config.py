@@ -9,7 +9,9 @@ by the field's type (``null`` for None, ``true``/``false``, comma-separated tupl
 section's ``__post_init__`` validates the result. Any error names the key.
 
 The top-level ``model`` is the one place the policy is named: ``learner.model`` and
-``engine.model`` follow it.
+``engine.model`` follow it. ``trainer.mode`` decides ``rollout.void_turn`` (stop or continue
+at a void turn, see :mod:`megatron_tir.rl.rows`); ``rollout.tools=false`` is the text-only
+baseline with the same loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_tir.policy.learner import LearnerConfig
+from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
@@ -38,6 +40,7 @@ class DataConfig:
     eval: str = "arithmetic"  # held-out prompts: "arithmetic" draws from a disjoint seed
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
+    eval_temperature: float | None = None  # None: the rollout temperature
     shuffle_seed: int = 0
     arithmetic_digits: int = 4  # operand digits of the generated task
     arithmetic_terms: int = 2
@@ -135,14 +138,7 @@ class TrainConfig:
         if self.trainer.mini_batches > 1 and self.trainer.prompts_per_step % self.trainer.mini_batches:
             raise ValueError(f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
                              f"trainer.mini_batches ({self.trainer.mini_batches})")
-        void_turn = MODES[self.trainer.mode].void_turn
-        if getattr(self.rollout, "void_turn", "stop") != void_turn:
-            if not hasattr(self.rollout, "void_turn"):
-                raise ValueError(f"trainer.mode={self.trainer.mode} needs rollout.void_turn={void_turn!r}, "
-                                 "which this rollout driver does not have")
-            self.rollout.void_turn = void_turn
-        if self.trainer.loss.kl_coef > 0:
-            raise ValueError("trainer.loss.kl_coef > 0 needs a reference learner, which this trainer does not build")
+        self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -156,8 +152,11 @@ def tiny_cpu() -> TrainConfig:
         engine=EngineConfig(max_batch_size=8),
         sandbox=SandboxConfig(workers=1),
         data=DataConfig(eval_size=2),
-        trainer=TrainerConfig(steps=2, prompts_per_step=2, drop_zero_std=False, overlong="keep", save_every=1,
-                              progress=False),
+        # A random model earns no reward and every trajectory is void: void rows stay in the loss and a
+        # small entropy bonus gives the update a gradient, so every stage of a step runs.
+        trainer=TrainerConfig(steps=2, mode="stop_without_filter", prompts_per_step=2, drop_zero_std=False,
+                              overlong="keep", save_every=1, progress=False,
+                              loss=LossConfig(entropy_coef=1e-3)),
     )
 
 

@@ -69,3 +69,11 @@ def test_bad_overrides_are_one_line_errors_naming_the_key(item, message):
 def test_unknown_recipe():
     with pytest.raises(ValueError, match="unknown recipe 'big'.*tiny-cpu"):
         load_recipe("big")
+
+
+@pytest.mark.parametrize("mode,void_turn", [("naive", "continue"), ("low_prob_filter", "continue"),
+                                            ("high_ratio_filter", "continue"), ("stop_without_filter", "stop"),
+                                            ("simpletir", "stop")])
+def test_mode_decides_the_void_turn_behaviour(mode, void_turn):
+    cfg = apply_overrides(load_recipe("tiny-cpu"), [f"trainer.mode={mode}", "rollout.tools=false"])
+    assert cfg.rollout.void_turn == void_turn and cfg.rollout.tools is False

@@ -102,3 +102,11 @@ def test_dynamic_sampling_that_empties_the_batch_comes_back_empty():
     got = asyncio.run(collect_groups(_rounds(flat, flat), want=2, max_rounds=2, drop_zero_std=True,
                                      accuracy_lo=0.0, accuracy_hi=1.0))
     assert got.groups == [] and got.rounds == 2 and got.removed["zero_std"] == 4
+
+
+def test_reference_logprobs_travel_with_the_kept_rows():
+    rt = to_tensors(crafted(), pad_id=0)
+    ref = torch.arange(rt.tokens_BT.numel(), dtype=torch.float32).view_as(rt.tokens_BT)
+    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="grpo", std_normalize=True,
+                     overlong="mask", low_prob_fraction=0.0, ref_logprobs_BT=ref)
+    torch.testing.assert_close(u.batch.extras["ref_logprobs_BT"], ref[u.loss_B])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, write_meta)
+from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, write_meta)
 from megatron_tir.policy.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,8 @@ def load_model(model, ckpt: Path) -> None:
 
     sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
     loaded = dist_checkpointing.load(sharded, str(ckpt))
-    state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded.items()}
+    # a learner checkpoint also holds optimizer/scheduler state: take the model's entries only
+    state = {k.removeprefix(MODEL_PREFIX): loaded[k] for k in sharded}
     model.load_state_dict(state, strict=True)
 
 
@@ -33,7 +34,7 @@ def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files:
     """Save this rank's ``model`` into ``ckpt`` (all ranks call this), then rank 0 writes the metadata."""
     from megatron.core import parallel_state
 
-    from checkpoints_tools.dist_writer import save_sharded
+    from megatron_tir.policy.checkpoint.dist_writer import save_sharded
 
     ckpt = Path(ckpt)
     save_sharded(model.sharded_state_dict(prefix=MODEL_PREFIX), ckpt)  # torch_dist, written in this process
