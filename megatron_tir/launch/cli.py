@@ -111,8 +111,10 @@ def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
         return 0
     write_record(spec.run_dir, LaunchRecord(executor="slurm", recipe=spec.recipe, cluster=cluster))
     exp_id = slurm.submit(cluster, spec)
-    print(f"submitted experiment {exp_id}\n  run dir: {spec.run_dir}\n  group logs: {spec.run_dir}/logs/"
-          f"<group>-<host>/ and {cluster.job_dir}/{exp_id.rsplit('_', 1)[0]}/{exp_id}/")
+    exp_dir = Path(slurm.experiments_dir(cluster), exp_id.rsplit("_", 1)[0], exp_id)
+    print(f"submitted experiment {exp_id}\n  run dir: {spec.run_dir}\n  agents' logs: {spec.run_dir}/logs/"
+          f"<group>-<host>/\n  sbatch script and srun logs: {exp_dir}/ (nemo experiment status {exp_id}, "
+          f"with NEMORUN_HOME={cluster.job_dir})")
     return 0
 
 

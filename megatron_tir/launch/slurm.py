@@ -197,6 +197,15 @@ def _mounts(cluster: Cluster, spec: RunSpec, group: str) -> list[str]:
     return mounts
 
 
+def experiments_dir(cluster: Cluster) -> str:
+    """Where nemo-run keeps the experiment (sbatch script, group scripts, srun logs).
+
+    With a ``LocalTunnel`` nemo-run copies nothing: it submits the files it wrote into the
+    experiment's local folder from the tunnel's folder, so the two must be the same path;
+    the experiment's ``base_dir`` is ``job_dir`` and nemo-run appends ``experiments/``."""
+    return os.path.join(cluster.job_dir, "experiments")
+
+
 def _executor(cluster: Cluster, spec: RunSpec, group: str):
     import nemo_run as run
     from nemo_run.core.tunnel.client import LocalTunnel
@@ -211,7 +220,7 @@ def _executor(cluster: Cluster, spec: RunSpec, group: str):
         nodes=cluster.total_nodes, ntasks_per_node=1, gpus_per_node=cluster.node.gpus_per_node, exclusive=True,
         mem="0", container_image=cluster.image_of(group), container_mounts=_mounts(cluster, spec, group),
         env_vars={k: shlex.quote(v) for k, v in cluster.env.items()}, srun_args=srun_args,
-        setup_lines=setup_lines(cluster, spec), job_name_prefix="tir-", tunnel=LocalTunnel(job_dir=cluster.job_dir),
+        setup_lines=setup_lines(cluster, spec), job_name_prefix="tir-", tunnel=LocalTunnel(job_dir=experiments_dir(cluster)),
         packager=run.Packager(), wait_time_for_group_job=5, monitor_group_job_wait_time=30)
 
 
@@ -273,7 +282,7 @@ def submit(cluster: Cluster, spec: RunSpec) -> str:
     """Submit the run with sbatch (from a login node: nemo-run's LocalTunnel); returns the experiment id."""
     import nemo_run as run
 
-    with run.Experiment(_title(spec), log_level="WARN") as exp:
+    with _no_stdin(), run.Experiment(_title(spec), base_dir=cluster.job_dir, log_level="WARN") as exp:
         add_tasks(exp, cluster, spec)
         exp.run(detach=True)
         return exp._id

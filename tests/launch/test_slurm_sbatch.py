@@ -7,6 +7,7 @@ argv), so the addresses and command lines are checked after bash has expanded th
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -312,3 +313,42 @@ def test_each_group_can_have_its_own_image_and_mounts(cluster_file, tmp_path):
     for m in mounts:  # the cluster's mounts and the run dir's parent reach every group
         assert "/lustre/fsw/my_project:/lustre/fsw/my_project" in m
         assert f"{tmp_path / 'runs'}:{tmp_path / 'runs'}" in m
+
+
+# ----------------------------------------------------------------------------- submission
+
+
+def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tmp_path, monkeypatch, capsys):
+    """``tir-launch`` without --dryrun, against stand-ins for sbatch/srun/squeue/sacct: nemo-run's
+    LocalTunnel copies nothing, so what sbatch gets must already be where the job looks."""
+    nemo_slurm = importlib.import_module("nemo_run.run.torchx_backend.schedulers.slurm")
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "sbatch.calls"
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {calls}\necho 4242\n')
+    for tool in ("srun", "squeue", "sacct"):
+        (bin_dir / tool).write_text("#!/bin/bash\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(nemo_slurm, "SLURM_JOB_DIRS", str(tmp_path / "slurm_jobs"))
+    shared = tmp_path / "shared"
+    path = cluster_file({"job_dir": str(shared / "nemo-run"), "run_root": str(shared / "runs")})
+    run_dir = shared / "runs" / "r1"
+
+    assert main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(path), "--out", str(run_dir)]) == 0
+    assert "submitted experiment" in capsys.readouterr().out
+    args = calls.read_text().split()
+    assert args[:2] == ["--requeue", "--parsable"]
+    sbatch = Path(args[2]).read_text()
+    dryrun = _render(path, run_dir)
+    assert _sbatch_flags(sbatch)["nodes"] == "7" and len(_srun_lines(sbatch)) == 3
+    for line, group in zip(_srun_lines(sbatch), ["sandbox", "sglang", "trainer"], strict=True):
+        words = line.split()
+        mounts = dict(m.split(":")[::-1] for m in words[words.index("--container-mounts") + 1].split(","))
+        script = Path(mounts["/nemo_run"]) / "scripts" / words[-3].rsplit("/", 1)[1]
+        assert script.read_text() == dryrun.scripts[group]  # the job finds each group's script in place
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["executor"] == "slurm" and record["recipe"] == RECIPE
+    assert record["cluster"]["trainer"]["nodes"] == 4
