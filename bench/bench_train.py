@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         prev_t = row["time/unix"]
         cells = " | ".join(f"{row.get(f'time/{ph}') or 0.0:10.1f}" for ph in PHASES)
         print(f"{row['step']:4d} | {cells} | {total:8.1f} | {peak:12.2f} | {row.get('rollout/reward', 0):.3f}"
-              f" | {row.get('rollout/code_use_ratio') or 0:.3f}")
+              f" | {row.get('rollout/code_trajectory_ratio') or 0:.3f}")
     print(f"peak RSS of the whole run: {max(rss for _, rss in mem.samples) / 2**30:.2f} GiB")
     print("\nlearning curve (held-out prompts):")
-    print("step | minutes | eval reward | eval code use")
+    print("step | minutes | eval reward | eval code use (trajectories with code) | eval code_use_ratio (SimpleTIR)")
     evals = [row for row in rows if row.get("eval/reward") is not None]
     for row in evals:
         print(f"{row['step']:4d} | {(row['time/unix'] - start) / 60:7.1f} | {row['eval/reward']:11.3f} | "
-              f"{row.get('eval/code_use_ratio') or 0:.3f}")
+              f"{row.get('eval/code_trajectory_ratio') or 0:.3f} | {row.get('eval/code_use_ratio') or 0:.3f}")
     if len(evals) >= 2 and evals[0]["eval/reward"] > 0:
         print(f"held-out reward ratio end/start: {evals[-1]['eval/reward'] / evals[0]['eval/reward']:.2f}x")
     print(json.dumps({"run_dir": str(run_dir)}))

@@ -263,53 +263,58 @@ def _parse(text: str, tp, key: str):
     raise ValueError(f"{key}: fields of type {tp} cannot be set from the command line")
 
 
-def _set(obj, path: list[str], text: str, key: str):
-    """A copy of dataclass ``obj`` with ``path`` set from ``text``; validation errors name ``key``."""
-    name, rest = path[0], path[1:]
-    names = [f.name for f in dataclasses.fields(obj)]
-    where = key[: len(key) - len(".".join(path))].rstrip(".") or "the config"
-    if name not in names:
-        raise ValueError(f"unknown key {key!r} ({where} has: {', '.join(names)})")
-    hints = typing.get_type_hints(type(obj))
-    current = getattr(obj, name)
-    if dataclasses.is_dataclass(current):
-        if not rest:
-            raise ValueError(f"{key} is a section; set one of its keys ({key}.<key>)")
-        value = _set(current, rest, text, key)
-    else:
-        if rest:
-            raise ValueError(f"unknown key {key!r} ({'.'.join(key.split('.')[:-len(rest)])} is not a section)")
-        value = _parse(text, hints[name], key)
+def _assign(cfg: TrainConfig, path: list[str], text: str, key: str) -> None:
+    """Set ``path`` of ``cfg`` (in place, not yet validated) to ``text`` parsed by the field's type."""
+    obj = cfg
+    for depth, name in enumerate(path):
+        names = [f.name for f in dataclasses.fields(obj)]
+        where = ".".join(path[:depth]) or "the config"
+        if name not in names:
+            raise ValueError(f"unknown key {key!r} ({where} has: {', '.join(names)})")
+        current = getattr(obj, name)
+        last = depth == len(path) - 1
+        if dataclasses.is_dataclass(current):
+            if last:
+                raise ValueError(f"{key} is a section; set one of its keys ({key}.<key>)")
+            obj = current
+            continue
+        if not last:
+            raise ValueError(f"unknown key {key!r} ({'.'.join(path[:depth + 1])} is not a section)")
+        setattr(obj, name, _parse(text, typing.get_type_hints(type(obj))[name], key))
+
+
+def _validated(obj, prefix: str, touched: dict[str, list[str]]):
+    """``obj`` rebuilt bottom-up (every ``__post_init__`` runs); errors name the keys set in the failing section."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        sub = getattr(obj, f.name)
+        if dataclasses.is_dataclass(sub):
+            changes[f.name] = _validated(sub, f"{prefix}{f.name}.", touched)
     try:
-        return dataclasses.replace(obj, **{name: value})
+        return dataclasses.replace(obj, **changes)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{key}={text}: {exc}") from None
+        keys = touched.get(prefix, []) or [k for p, ks in touched.items() if p.startswith(prefix) for k in ks]
+        raise ValueError(f"{', '.join(keys) or prefix.rstrip('.') or 'config'}: {exc}") from None
 
 
 def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """``cfg`` with each ``key=value`` applied (a new config; ``cfg`` is not changed).
+    """``cfg`` with every ``key=value`` applied (a new config; ``cfg`` is not changed).
 
-    Each value is validated with its section as it is applied; one that fails only because
-    of another key set later (``engine.kind=sglang`` before ``engine.urls``) is retried once
-    after the others, so the order on the command line does not matter.
+    All values are parsed and set first, then every section is validated, so keys that
+    depend on each other (``engine.kind=sglang`` and ``engine.urls``) can come in any order.
+    Errors name the key (a bad value) or the keys set in the section that failed validation.
     """
     cfg = copy.deepcopy(cfg)
-    pending: list[tuple[str, str]] = []
+    touched: dict[str, list[str]] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
-        key = key.strip()
+        key, text = key.strip(), text.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
-        pending.append((key, text.strip()))
-    deferred: list[tuple[str, str, ValueError]] = []
-    for key, text in pending:
-        try:
-            cfg = _set(cfg, key.split("."), text, key)
-        except ValueError as exc:
-            deferred.append((key, text, exc))
-    for key, text, _ in deferred:
-        cfg = _set(cfg, key.split("."), text, key)
-    return cfg
+        path = key.split(".")
+        _assign(cfg, path, text, key)
+        touched.setdefault("".join(p + "." for p in path[:-1]), []).append(f"{key}={text}")
+    return _validated(cfg, "", touched)
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -1,7 +1,9 @@
 """Training metrics: what a step's rollouts did, one JSON line per step, TensorBoard, PNG curves.
 
-Rollout behaviour reuses the definitions of :mod:`megatron_tir.eval.metrics` (void ratios,
-code use, valid code, turns, finish ratio, correct answers that used code); the trainer adds
+Rollout behaviour is :func:`megatron_tir.eval.metrics.trajectory_metrics` (SimpleTIR's
+``num_turns``, ``finish_ratio``, ``void_turn_ratio``, ``code_use_ratio``, ``valid_code_ratio``,
+and this project's ``void_trajectory_ratio``, ``code_trajectory_ratio``, ``correct_with_code``,
+... -- defined there); the trainer adds
 reward/accuracy over every sampled trajectory, feedback tokens, and the mean engine log-prob
 of the model tokens of each turn index (``logprob_turn_K``, SimpleTIR's Figure 3 signal:
 it falls in later turns when feedback drifts the model off its distribution).
@@ -12,19 +14,21 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_tir.eval.metrics import compute_metrics
+from megatron_tir.eval.metrics import trajectory_metrics
 from megatron_tir.rollout.batch import Group
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS = {  # file name -> metric keys drawn together
     "reward.png": ("rollout/reward", "eval/reward"),
-    "code_use.png": ("rollout/code_use_ratio", "eval/code_use_ratio", "rollout/valid_code_ratio"),
-    "void.png": ("rollout/void_ratio", "rollout/void_turn_ratio"),
+    "code_use.png": ("rollout/code_trajectory_ratio", "eval/code_trajectory_ratio", "rollout/code_use_ratio",
+                     "rollout/valid_code_ratio"),
+    "void.png": ("rollout/void_trajectory_ratio", "rollout/void_turn_ratio", "rollout/void_turn_share"),
     "response_length.png": ("rollout/mean_model_tokens", "rollout/mean_feedback_tokens"),
-    "turns.png": ("rollout/mean_turns",),
+    "turns.png": ("rollout/num_turns",),
     "train.png": ("train/loss", "train/grad_norm"),
     "clip.png": ("train/clip_low", "train/clip_high", "train/dual_clip"),
     "timing.png": ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/checkpoint"),
@@ -35,28 +39,18 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
     trajs = [t for g in groups for t in g.trajectories]
     if not trajs:
         return {}
-    m = compute_metrics(groups, min(len(g.trajectories) for g in groups))
     out = {
         "reward": sum(t.reward or 0.0 for t in trajs) / len(trajs),
         "accuracy": sum(t.correct for t in trajs) / len(trajs),
-        "void_ratio": m.void_ratio,
-        "void_turn_ratio": m.void_turn_ratio,
-        "code_use_ratio": m.code_use_ratio,
-        "valid_code_ratio": m.valid_code_ratio,
-        "mean_turns": m.mean_turns,
-        "mean_code_calls": m.mean_code_calls,
-        "correct_with_code": m.correct_with_code,
-        "finish_ratio": m.finish_ratio,
-        "mean_response_tokens": m.mean_response_tokens,
-        "mean_model_tokens": m.mean_model_tokens,
-        "mean_feedback_tokens": m.mean_response_tokens - m.mean_model_tokens,
+        **trajectory_metrics(trajs),
         "trajectories": float(len(trajs)),
         # per trajectory (they overlap in time: many trajectories are in flight at once)
         "generation_s": sum(t.timings.generation_s for t in trajs) / len(trajs),
         "tool_s": sum(t.timings.tool_s for t in trajs) / len(trajs),
         "reward_s": sum(t.timings.reward_s for t in trajs) / len(trajs),
     }
-    for status, n in m.status_counts.items():
+    out["mean_feedback_tokens"] = out["mean_response_tokens"] - out["mean_model_tokens"]
+    for status, n in Counter(t.status.value if t.status else "none" for t in trajs).items():
         out[f"status_{status}"] = float(n)
     by_turn: dict[int, list[float]] = {}
     for t in trajs:

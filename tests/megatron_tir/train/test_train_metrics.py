@@ -22,8 +22,8 @@ def test_rollout_metrics_of_crafted_groups():
     g.trajectories[1].turns = [Turn(index=0, kind=TurnKind.VOID, reason="", finish_reason=FinishReason.EOS, start=0,
                                     model_tokens=1)]
     m = rollout_metrics([g])
-    assert m["rollout/reward"] == 0.25 and m["rollout/void_ratio"] == 0.25
-    assert m["rollout/void_turn_ratio"] == pytest.approx(1 / 3)
+    assert m["rollout/reward"] == 0.25 and m["rollout/void_trajectory_ratio"] == 0.25
+    assert m["rollout/void_turn_share"] == pytest.approx(1 / 3)  # 1 void turn of 3 turns
     assert m["rollout/logprob_turn_0"] == pytest.approx((-1.0 - 2.0) / 2)  # turn 0 of rows 0 and 1
     assert m["rollout/logprob_turn_1"] == pytest.approx(-3.0)
     assert m["rollout/status_tool_failed"] == 1.0
