@@ -46,7 +46,7 @@ def test_a_failing_trainer_ends_the_run_with_its_status_and_log(tmp_path, monkey
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _trainer_cli_exists(), reason="`megatron-tir train` is not on this branch yet (trainer issue)")
-def test_tiny_cpu_runs_to_completion_through_the_local_executor(tmp_path, monkeypatch, capsys):
+def test_tiny_cpu_runs_to_completion_and_resumes_with_more_turns(tmp_path, monkeypatch, capsys):
     import nemo_run.config
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))
@@ -65,6 +65,14 @@ def test_tiny_cpu_runs_to_completion_through_the_local_executor(tmp_path, monkey
     assert len(lines) >= 2  # one line per step (contract: RUN_DIR/metrics.jsonl)
     assert (run_dir / "checkpoints" / "latest").exists()
     assert (run_dir / "logs" / "main.exit").read_text() == "0\n"
+
+    # The turn extension: continue the run one more step with 10 turns, on a new sandbox.
+    code = main(["--resume", str(run_dir), "--set", "trainer.steps=3", "--set", "rollout.max_turns=10"])
+    assert code == 0, (run_dir / "logs" / "main.log").read_text()[-3000:]
+    resumed = json.loads((run_dir / "config.json").read_text())
+    assert resumed["rollout"]["max_turns"] == 10 and resumed["trainer"]["steps"] == 3
+    assert resumed["sandbox"]["address"] != config["sandbox"]["address"]  # the new launch's sandbox
+    assert (run_dir / "checkpoints" / "step_3").is_dir()
 
 
 def test_local_resume_continues_the_run_with_new_budgets(tmp_path, capsys):
