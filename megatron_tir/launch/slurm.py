@@ -189,10 +189,12 @@ def sandbox_script(cluster: Cluster, spec: RunSpec) -> str:
 
 
 def _mounts(cluster: Cluster, spec: RunSpec, group: str) -> list[str]:
+    """The group's mounts, plus the run dir's parent at its own path unless a mount already
+    shows it there (the run dir is a host path in every group's command line)."""
     mounts = cluster.mounts_of(group)
-    run_parent = str(Path(spec.run_dir).parent)
-    if not any(run_parent == dst or run_parent.startswith(dst.rstrip("/") + "/")
-               for dst in (m.split(":")[1] for m in mounts)):
+    run_parent = Path(spec.run_dir).parent
+    same_path = [Path(src) for src, dst, *_ in (m.split(":") for m in mounts) if src == dst]
+    if not any(run_parent == p or p in run_parent.parents for p in same_path):
         mounts.append(f"{run_parent}:{run_parent}")
     return mounts
 

@@ -352,3 +352,18 @@ def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tm
     record = json.loads((run_dir / "launch.json").read_text())
     assert record["executor"] == "slurm" and record["recipe"] == RECIPE
     assert record["cluster"]["trainer"]["nodes"] == 4
+
+
+@pytest.mark.parametrize("mounts, added", [
+    (["/lustre/fsw/my_project:/lustre/fsw/my_project"], False),  # the run root is inside a same-path mount
+    (["/lustre/fsw/my_project:/data"], True),  # visible, but not at the path the commands use
+    (["/lustre/fsw/my_project/tir/runs:/lustre/fsw/my_project/tir/runs:ro"], False),
+])
+def test_the_run_dir_is_visible_at_its_own_path(cluster_file, mounts, added):
+    path = cluster_file({"mounts": mounts})
+    run_dir = "/lustre/fsw/my_project/tir/runs/r"
+    out = render(load_cluster(path), RunSpec(recipe=RECIPE, layout=trainer_layout(recipe=RECIPE), run_dir=run_dir))
+    words = _srun_lines(out.sbatch)[2].split()
+    got = words[words.index("--container-mounts") + 1].split(",")
+    extra = "/lustre/fsw/my_project/tir/runs:/lustre/fsw/my_project/tir/runs"
+    assert (extra in got) == added and all(m in got for m in mounts)
