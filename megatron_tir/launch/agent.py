@@ -194,6 +194,9 @@ class Agent:
                     self._tend()
                 return self._signal_code()
             return self._run_main(list(main))
+        except OSError as exc:  # a command that cannot be started (not installed, not executable)
+            log.error("cannot start %s: %s", exc.filename or "a command", exc.strerror or exc)
+            return 127
         finally:
             for service in self.services:
                 service.stop(self.grace_s)

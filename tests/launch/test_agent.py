@@ -132,3 +132,10 @@ def _worker_pid(agent: subprocess.Popen) -> int | None:
         if b"worker" in cmdline and b"--slots" in cmdline:
             return int(child)
     return None
+
+
+def test_a_command_that_cannot_start_is_one_error_line(tmp_path):
+    agent = _agent("--service", "ghost=/no/such/sglang --port 1", "--", PY, "-c", "pass", log_dir=tmp_path)
+    _, err = agent.communicate(timeout=30)
+    assert agent.returncode == 127
+    assert "cannot start /no/such/sglang: No such file or directory" in err and "Traceback" not in err
