@@ -34,17 +34,22 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_dead_service_is_started_again_and_main_decides_the_exit(tmp_path):
-    # The service writes its pid and dies after 0.3 s; main runs ~3 s, then fails with 7.
-    service = f"flaky={PY} -c \"import os,time; open('{tmp_path}/pids','a').write(f'{{os.getpid()}}\\n'); " \
+    # The service writes its pid and dies after 0.3 s; main waits until three starts have
+    # written theirs (or 60 s), prints, then fails with 7.
+    pids_file = tmp_path / "pids"
+    service = f"flaky={PY} -c \"import os,time; open('{pids_file}','a').write(f'{{os.getpid()}}\\n'); " \
               "time.sleep(0.3); raise SystemExit(3)\""
-    main = [PY, "-c", "import time\nfor i in range(30): print('step', i, flush=True); time.sleep(0.1)\n"
+    main = [PY, "-c", f"import os,time\nend = time.time() + 60\n"
+                      f"while time.time() < end and len(set(open('{pids_file}').read().split()) "
+                      f"if os.path.exists('{pids_file}') else ()) < 3: time.sleep(0.1)\n"
+                      "for i in range(30): print('step', i, flush=True)\n"
                       "print('Traceback: boom', flush=True); raise SystemExit(7)"]
     agent = _agent("--service", service, "--restart-delay", "0.2", "--tail", "3", "--", *main, log_dir=tmp_path / "logs")
-    out, err = agent.communicate(timeout=60)
+    out, err = agent.communicate(timeout=120)
     assert agent.returncode == 7
     assert "step 29" in out and (tmp_path / "logs" / "main.exit").read_text() == "7\n"
-    pids = (tmp_path / "pids").read_text().split()
-    assert len(set(pids)) >= 3  # it died and was started again, more than once, during main's 3 s
+    pids = pids_file.read_text().split()
+    assert len(set(pids)) >= 3  # it died and was started again, more than once, while main ran
     assert re.search(r"flaky exited with 3 after [0-9.]+ s; starting it again", err)
     # The failure ends with main's last lines under a header.
     tail = err[err.index("failed with exit status 7"):].splitlines()
@@ -55,7 +60,8 @@ def test_a_dead_service_is_started_again_and_main_decides_the_exit(tmp_path):
 
 def test_main_success_stops_the_services(tmp_path):
     service = f"sleeper={PY} -c \"import os,time; open('{tmp_path}/pid','w').write(str(os.getpid())); time.sleep(600)\""
-    agent = _agent("--service", service, "--", PY, "-c", "import time; time.sleep(1.5)", log_dir=tmp_path / "logs")
+    wait_for_pid = f"import os,time\nend = time.time() + 60\nwhile not os.path.exists('{tmp_path}/pid') and time.time() < end: time.sleep(0.1)"
+    agent = _agent("--service", service, "--", PY, "-c", wait_for_pid, log_dir=tmp_path / "logs")
     _, err = agent.communicate(timeout=60)
     assert agent.returncode == 0, err
     assert "failed" not in err
