@@ -102,16 +102,25 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
 
 
 def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
-    """(a comment on the layout, the trainer's command line in bash with the setup block's variables)."""
+    """(bash lines run before it, the trainer's command line in bash with the setup block's variables).
+
+    A new run's command line chooses at run time: Slurm requeues a job whose node failed
+    (nemo-run submits with ``--requeue``), and the job's next attempt finds the run's
+    checkpoints; it continues from the last one instead of starting over."""
     gpus = cluster.node.gpus_per_node
     world = cluster.trainer.nodes * gpus
     dp = world // (spec.layout.tp * spec.layout.pp)
     torchrun = (f"torchrun --nnodes={cluster.trainer.nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
                 f'--rdzv-endpoint="$TIR_MASTER_ADDR:{cluster.master_port}" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0')
+    before = [f"# torchrun: {cluster.trainer.nodes} nodes x {gpus} GPUs = {world} ranks = "
+              f"TP {spec.layout.tp} x PP {spec.layout.pp} x DP {dp}"]
     if spec.resume:
-        train = 'megatron_tir.cli train --resume "$TIR_RUN_DIR"'
+        before.append('source=(--resume "$TIR_RUN_DIR")')
     else:
-        train = f'megatron_tir.cli train --recipe {shlex.quote(spec.recipe)} --out "$TIR_RUN_DIR"'
+        before += ["# a requeued attempt of this job continues from the run's last checkpoint",
+                   f'source=(--recipe {shlex.quote(spec.recipe)} --out "$TIR_RUN_DIR")',
+                   'if [ -e "$TIR_RUN_DIR/checkpoints/latest" ]; then source=(--resume "$TIR_RUN_DIR"); fi']
+    train = 'megatron_tir.cli train "${source[@]}"'
     sets = ["--set " + shlex.quote(o) for o in spec.overrides]
     if not spec.resume and cluster.model_path(spec.layout.model) != spec.layout.model:
         sets.append("--set " + shlex.quote(f"model={cluster.model_path(spec.layout.model)}"))
@@ -119,9 +128,7 @@ def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
              '--set "engine.urls=$TIR_ENGINE_URLS"',
              f"--set engine.colocated={'true' if cluster.sglang.colocated else 'false'}",
              '--set "sandbox.address=$TIR_SANDBOX_ADDRESS"']
-    comment = (f"# torchrun: {cluster.trainer.nodes} nodes x {gpus} GPUs = {world} ranks = "
-               f"TP {spec.layout.tp} x PP {spec.layout.pp} x DP {dp}")
-    return comment, " \\\n    ".join([torchrun + " -m " + train, *sets])
+    return "\n".join(before), " \\\n    ".join([torchrun + " -m " + train, *sets])
 
 
 def sglang_services(cluster: Cluster, model: str) -> list[str]:
@@ -164,8 +171,8 @@ def trainer_script(cluster: Cluster, spec: RunSpec) -> str:
     if cluster.sandbox.nodes == 0:
         body += ["# the sandbox beside the trainer, on the first trainer node's CPUs",
                  'if [ "$SLURM_PROCID" = 0 ]; then agent+=(' + " ".join(sandbox_services(cluster, head=True)) + "); fi"]
-    comment, command = trainer_argv(cluster, spec)
-    body += ['agent+=(--wait-http "$TIR_ENGINE_URLS" --wait-tcp "$TIR_SANDBOX_ADDRESS")', comment,
+    before, command = trainer_argv(cluster, spec)
+    body += ['agent+=(--wait-http "$TIR_ENGINE_URLS" --wait-tcp "$TIR_SANDBOX_ADDRESS")', before,
              'exec "${agent[@]}" -- ' + command]
     return _script("trainer", cluster, body)
 

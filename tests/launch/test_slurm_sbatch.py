@@ -367,3 +367,14 @@ def test_the_run_dir_is_visible_at_its_own_path(cluster_file, mounts, added):
     got = words[words.index("--container-mounts") + 1].split(",")
     extra = "/lustre/fsw/my_project/tir/runs:/lustre/fsw/my_project/tir/runs"
     assert (extra in got) == added and all(m in got for m in mounts)
+
+
+def test_a_requeued_job_continues_from_the_runs_last_checkpoint(rendered, shims, tmp_path):
+    env = _addresses(rendered.sbatch, shims, HOSTS)
+    run_dir = Path(env["TIR_RUN_DIR"])
+    (run_dir / "checkpoints" / "step_20").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").symlink_to("step_20")
+    argv = _agent_argv(rendered.scripts["trainer"], shims, tmp_path, {**env, "SLURM_PROCID": "0"})
+    train = argv[argv.index("megatron_tir.cli"):]
+    assert train[:4] == ["megatron_tir.cli", "train", "--resume", str(run_dir)] and "--recipe" not in train
+    assert "sandbox.address=tcp://gpu007:5555" in _options(train, "--set")
