@@ -106,7 +106,8 @@ class Cluster:
     partition: str  # the allocation's partition (every group's unless it names its own)
     partitions: dict[str, Partition]
     time: str  # Slurm time limit of the allocation, e.g. "04:00:00"
-    container_image: str  # pyxis/enroot image with megatron-tir installed (each group may name its own)
+    container_image: str | None  # pyxis/enroot image with megatron-tir installed (each group may name its own);
+    # null: no container, the nodes run the commands from their own environment (env: PATH, PYTHONPATH)
     job_dir: str  # shared folder for nemo-run's sbatch scripts and the groups' logs
     run_root: str  # shared folder for run dirs (<run_root>/<recipe>-<time>)
     trainer: TrainerGroup
@@ -119,11 +120,16 @@ class Cluster:
     master_port: int = 29500  # torchrun rendezvous port on the trainer's first node
 
     def __post_init__(self) -> None:
-        for key in ("account", "partition", "time", "container_image", "job_dir", "run_root"):
+        for key in ("account", "partition", "time", "job_dir", "run_root"):
             if not str(getattr(self, key)).strip():
                 raise ValueError(f"{key} is empty")
         if not self.partitions:
             raise ValueError("partitions is empty")
+        if self.container_image is None:
+            for group in ("trainer", "sglang", "sandbox"):
+                if getattr(self, group).container_image:
+                    raise ValueError(f"{group}.container_image needs a cluster container_image (nemo-run runs "
+                                     "all groups in containers or none)")
         for where, mounts in (("mounts", self.mounts), ("trainer.mounts", self.trainer.mounts),
                               ("sglang.mounts", self.sglang.mounts), ("sandbox.mounts", self.sandbox.mounts)):
             for mount in mounts:
@@ -156,7 +162,7 @@ class Cluster:
     def partition_of(self, group: str) -> str:
         return getattr(self, group).partition or self.partition
 
-    def image_of(self, group: str) -> str:
+    def image_of(self, group: str) -> str | None:
         return getattr(self, group).container_image or self.container_image
 
     def mounts_of(self, group: str) -> list[str]:

@@ -223,7 +223,7 @@ def _executor(cluster: Cluster, spec: RunSpec, group: str):
     srun_args = [f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
                  f"--nodelist=$TIR_{group.upper()}_NODES", f"--cpus-per-task={cluster.node.cpus_per_node}"]
     if group == "sandbox":
-        srun_args.append("--gres=none")  # a job step gets all the job's GPUs unless told otherwise
+        srun_args.append("--gres=gpu:0")  # no GPUs for this step ("--gres=none" is refused when the job asked --gpus-per-node)
     return run.SlurmExecutor(
         account=cluster.account, partition=cluster.partition_of("trainer"), qos=cluster.qos, time=cluster.time,
         nodes=cluster.total_nodes, ntasks_per_node=1, gpus_per_node=cluster.node.gpus_per_node, exclusive=True,

@@ -25,17 +25,20 @@ def example_data() -> dict:
 
 @pytest.fixture
 def cluster_file(tmp_path):
-    """Factory: the example cluster file with ``changes`` (dotted key -> value; None deletes the key)."""
+    """Factory: the example cluster file with ``changes`` (dotted key -> value; None deletes the
+    key) and the keys in ``nulls`` set to null."""
 
-    def make(changes: dict | None = None, name: str = "cluster.yaml") -> Path:
+    def make(changes: dict | None = None, name: str = "cluster.yaml", nulls: tuple[str, ...] = ()) -> Path:
         data = copy.deepcopy(example_data())
-        for key, value in (changes or {}).items():
+        for key, value in [*(changes or {}).items(), *((k, "__null__") for k in nulls)]:
             *parents, leaf = key.split(".")
             node = data
             for p in parents:
                 node = node.setdefault(p, {})
             if value is None:
                 node.pop(leaf, None)
+            elif value == "__null__":
+                node[leaf] = None
             else:
                 node[leaf] = value
         path = tmp_path / name

@@ -37,6 +37,8 @@ def _layout(tp: int, pp: int) -> TrainerLayout:
     ({"partitions.batch": {"gpus_per_node": 8, "cpus_per_node": 224, "gpu_only": True}},
      "sandbox.partition: 'batch' is GPU-only"),
     ({"sglang.port": 80}, "sglang: port must be in 1024..64999"),
+    ({"sglang.container_image": "img", "container_image": "__null__"},
+     "sglang.container_image needs a cluster container_image"),
 ])
 def test_bad_cluster_files_are_one_line_errors(cluster_file, changes, fragment):
     with pytest.raises(ValueError) as err:

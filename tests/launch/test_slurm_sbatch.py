@@ -121,7 +121,7 @@ def test_srun_lines_pin_each_group_to_its_nodes(rendered, example_cluster):
         assert words[words.index("--container-image") + 1] == load_cluster(example_cluster).container_image
         assert words[-4:-2] == ["bash", f"/nemo_run/scripts/{rendered.script_names[group]}"]
         assert line.endswith(f"& pids[{lines.index(line)}]=$!")  # all groups run at once, watched together
-    assert "--gres=none" in lines[0].split() and "--gres=none" not in lines[2].split()
+    assert "--gres=gpu:0" in lines[0].split() and "--gres=gpu:0" not in lines[2].split()
     mounts = lines[2].split()[lines[2].split().index("--container-mounts") + 1].split(",")
     assert "/lustre/fsw/my_project:/lustre/fsw/my_project" in mounts
 
@@ -378,3 +378,16 @@ def test_a_requeued_job_continues_from_the_runs_last_checkpoint(rendered, shims,
     train = argv[argv.index("megatron_tir.cli"):]
     assert train[:4] == ["megatron_tir.cli", "train", "--resume", str(run_dir)] and "--recipe" not in train
     assert "sandbox.address=tcp://gpu007:5555" in _options(train, "--set")
+
+
+def test_without_containers_the_groups_run_from_the_job_dir(cluster_file, tmp_path):
+    path = cluster_file({"env": {"PATH": "/shared/venv/bin:/usr/bin:/bin"}}, nulls=("container_image",))
+    out = _render(path, tmp_path / "runs" / "r")
+    for line in _srun_lines(out.sbatch):
+        words = line.split()
+        assert not any(w.startswith("--container") for w in words)
+        assert words[words.index("--chdir") + 1].endswith("/run/code")
+        script = words[-3]  # nemo-run puts the job dir's real path in place of /nemo_run
+        assert script.startswith(str(load_cluster(path).job_dir)) and script.endswith(".sh")
+    assert "/nemo_run" not in out.sbatch
+    assert "export PATH=/shared/venv/bin:/usr/bin:/bin" in out.scripts["trainer"]
