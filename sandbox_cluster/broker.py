@@ -95,6 +95,7 @@ class _Worker:
     protections: list[P.Protection]
     uids: list[int]
     instance: str
+    exposed: list[str] = field(default_factory=list)
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -255,7 +256,7 @@ class Broker:
         if worker is None:
             worker = _Worker(identity=identity, name=hello.name, slots=hello.slots, free=0,
                              last_seen=time.monotonic(), protections=list(hello.protections),
-                             uids=list(hello.uids), instance=hello.instance)
+                             uids=list(hello.uids), instance=hello.instance, exposed=list(hello.exposed))
             for key in adopted:
                 self.tasks[key].worker = identity
             worker.in_flight |= adopted
@@ -339,7 +340,8 @@ class Broker:
     def status(self) -> P.ClusterStatus:
         return P.ClusterStatus(
             workers=[P.WorkerInfo(name=w.name, slots=w.slots, free=w.free, in_flight=len(w.in_flight),
-                                  protections=w.protections, uids=w.uids) for w in self.workers.values()],
+                                  protections=w.protections, uids=w.uids, exposed=w.exposed)
+                     for w in self.workers.values()],
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),
             max_queue=self.config.max_queue,

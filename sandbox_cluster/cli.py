@@ -25,10 +25,16 @@ import zmq
 log = logging.getLogger("sandbox_cluster")
 
 
-def _limits(text: str | None):
+def _limits(text: str | None, expose: list[str] | None = None):
     from .limits import SandboxLimits
 
-    return SandboxLimits.from_json(text) if text else SandboxLimits()
+    limits = SandboxLimits.from_json(text) if text else SandboxLimits()
+    if expose:
+        for path in expose:
+            if not os.path.exists(path):
+                raise ValueError(f"--expose {path}: no such file or directory")
+        limits = dataclasses.replace(limits, expose=[*limits.expose, *(os.path.abspath(p) for p in expose)])
+    return limits
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -49,7 +55,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from .isolation import boost_priority
     from .worker import Worker, WorkerConfig
 
-    limits = _limits(args.limits)
+    limits = _limits(args.limits, args.expose)
     cell_nice = boost_priority(args.priority_boost)  # the zygotes inherit the boost; cells get the old value
     config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=limits,
                           heartbeat_interval_s=args.heartbeat_interval, heartbeat_liveness=args.heartbeat_liveness,
@@ -62,7 +68,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
 
-    limits = dataclasses.asdict(_limits(args.limits))  # validated here, at the edge
+    limits = dataclasses.asdict(_limits(args.limits, args.expose))  # validated here, at the edge
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -123,8 +129,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"served={status.served} retried={status.retried} rejected={status.rejected}")
     for w in status.workers:
         missing = [p.name for p in w.protections if not p.active]
+        seen = f"only {', '.join(w.exposed)} (read-only)" if w.exposed else "the host's whole tree"
         print(f"  {w.name}: {w.slots} slot(s), {w.free} idle, {w.in_flight} running"
-              + (f"; MISSING: {', '.join(missing)}" if missing else "; full isolation"))
+              + (f"; MISSING: {', '.join(missing)}" if missing else "; full isolation") + f"; cells see {seen}")
     return 0
 
 
@@ -179,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-per-worker", type=int, default=1)
     p.add_argument("--max-queue", type=int, default=10_000)
     p.add_argument("--limits", help='JSON of SandboxLimits fields, e.g. \'{"max_processes": 32}\'')
+    p.add_argument("--expose", action="append", metavar="PATH",
+                   help="also show this host path, read-only, to the cells (repeatable)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("broker", help="broker only; workers connect from other nodes")
@@ -193,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--name")
     p.add_argument("--limits", help="JSON of SandboxLimits fields")
+    p.add_argument("--expose", action="append", metavar="PATH",
+                   help="also show this host path, read-only, to the cells (repeatable)")
     p.add_argument("--uid-base", type=int, default=61000, help="first uid tried for the per-slot users")
     heartbeat(p)
     p.set_defaults(func=cmd_worker)

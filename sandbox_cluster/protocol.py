@@ -139,6 +139,7 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     uids: list[int] = msgspec.field(default_factory=list)  # the per-slot users its cells run as
     instance: str = ""  # one per worker process: a reconnect replaces that process's old registration
     running: list[str] = msgspec.field(default_factory=list)  # request ids its slots are running now
+    exposed: list[str] = msgspec.field(default_factory=list)  # host paths its cells' root shows (read-only)
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -156,6 +157,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     in_flight: int
     protections: list[Protection] = msgspec.field(default_factory=list)
     uids: list[int] = msgspec.field(default_factory=list)
+    exposed: list[str] = msgspec.field(default_factory=list)
 
 
 class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):

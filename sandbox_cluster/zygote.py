@@ -52,7 +52,7 @@ import time
 
 import msgspec
 
-from . import hugepages, isolation
+from . import hugepages, isolation, rootfs
 from .limits import SandboxLimits
 from .protocol import ExecRequest, ExecResult, Protection, Status, decode_request, encode, encode_msg
 
@@ -76,12 +76,13 @@ _LEN = struct.Struct("!I")
 RECOLLAPSE_EVERY = 256  # requests between two re-collapses of the warm heap into huge pages
 
 
-class _ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
+class ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
     protections: list[Protection]
+    exposed: list[str] = msgspec.field(default_factory=list)
 
 
-def decode_zygote_hello(data: bytes) -> list[Protection]:
-    return msgspec.msgpack.decode(data, type=_ZygoteHello).protections
+def decode_zygote_hello(data: bytes) -> ZygoteHello:
+    return msgspec.msgpack.decode(data, type=ZygoteHello)
 
 
 # --------------------------------------------------------------------------- framing (worker <-> zygote)
@@ -118,11 +119,19 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
 # --------------------------------------------------------------------------- warm-up
 
 
+def import_warm_modules() -> None:
+    """Import what cells use (numpy, sympy): their shared libraries are then mapped."""
+    import collections  # noqa: F401
+    import linecache  # noqa: F401
+    import traceback  # noqa: F401
+
+    import numpy  # noqa: F401
+    import sympy  # noqa: F401
+
+
 def warm_up() -> None:
     """Import and actually call what cells use, so no child pays a lazy import or a cold cache."""
-    import collections  # noqa: F401,E401
-    import linecache  # noqa: F401,E401
-
+    import_warm_modules()
     import numpy as np
     import sympy
 
@@ -140,75 +149,6 @@ def warm_up() -> None:
     np.linalg.solve(np.eye(3), np.ones(3))
     np.random.default_rng(0).random(10).mean()
     str(np.array([1.5, 2.5]))
-
-
-# Never preloaded: side effects at import (GUI, browser, terminal), test suites, installers,
-# or other platforms' modules.
-_PRELOAD_SKIP = frozenset({
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip",
-    "venv", "pydoc_data", "__main__", "msvcrt", "winreg", "winsound", "nt", "msilib", "readline", "distutils",
-})
-
-
-def unreadable_import_dirs(uid: int, gid: int) -> list[str]:
-    """The ``sys.path`` directories a process running as ``uid`` cannot list (e.g. a Python
-    installed under a 0700 /root); checked in a forked child that switches uid."""
-    dirs = [d for d in sys.path if d and os.path.isdir(d)]
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-            bad = []
-            for d in dirs:
-                try:
-                    os.listdir(d)
-                except OSError:
-                    bad.append(d)
-            os.write(w, "\n".join(bad).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return [d for d in out.split("\n") if d]
-
-
-def preload_stdlib() -> tuple[int, list[str]]:
-    """Import the standard library (public modules and their direct submodules) into the
-    zygote, so cells can import it even when its files are unreadable for the cell's uid.
-    Returns (modules loaded, modules that failed to import)."""
-    import contextlib
-    import importlib
-    import pkgutil
-    import warnings
-
-    loaded, failed = 0, []
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        for name in sorted(sys.stdlib_module_names):
-            if name in _PRELOAD_SKIP or name.startswith("_"):
-                continue
-            try:
-                module = importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - e.g. another platform's module
-                failed.append(name)
-                continue
-            loaded += 1
-            for info in pkgutil.iter_modules(getattr(module, "__path__", None) or []):
-                if (info.name.startswith("_") and name != "encodings") or "test" in info.name:
-                    continue
-                try:
-                    importlib.import_module(f"{name}.{info.name}")
-                    loaded += 1
-                except Exception:  # noqa: BLE001
-                    failed.append(f"{name}.{info.name}")
-    return loaded, failed
 
 
 # --------------------------------------------------------------------------- output capture
@@ -262,6 +202,8 @@ class Zygote:
         self.swap_accounting = False
         self.can_switch_uid = os.geteuid() == 0
         self.tmpfs_dirs: list[str] = []  # our own tmpfs mounts (private mount namespace)
+        self.exposed: list[str] = []  # host paths the cells' root shows (read-only)
+        self._keep: frozenset[str] = frozenset()  # root's dirs in the scratch leading to exposed paths
         self.workdir = isolation.WORKDIR
         self._scratch_dirs: list[str] = []  # what is wiped after each cell: only dirs this zygote owns
         self._oom_kills = 0
@@ -320,33 +262,56 @@ class Zygote:
             return "own IPC namespace; SysV IPC and POSIX message queues disabled"
 
         self._protect("ipc_namespace", ipc)
-        read_only: list[object] = [RuntimeError("no private mount namespace")]
+        name = f"uid-{self.uid}"
+
+        def pids_cgroup() -> isolation.SlotCgroup:
+            cg = isolation.SlotCgroup("pids", name)
+            cg.write("pids.max", self.limits.max_processes + 2)  # + the zygote and the next cell, forked ahead
+            return cg
+
+        def memory_cgroup() -> isolation.SlotCgroup:
+            cg = isolation.SlotCgroup("memory", name)
+            self.swap_accounting = cg.has("memory.memsw.limit_in_bytes")
+            self._oom_kills = isolation.memory_oom_kills(cg)
+            return cg
+
+        self.memory_cg = self._protect("cgroup_memory", memory_cgroup)
+        self.pids_cg = self._protect("cgroup_pids", pids_cgroup)
+        self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
+
+        no_ns = RuntimeError("no private mount namespace")
+        read_only: list[object] = [no_ns]
+        allowlist: list[object] = [no_ns]
         pid_ns: list[object] = [pid_namespace if pid_namespace is not None else RuntimeError("not tried")]
 
         def private_tmp() -> str:
             isolation.unshare(isolation.CLONE_NEWNS)
             isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
-            self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
-            if self.can_switch_uid:  # e.g. a Python under a 0700 /root: show cells its import dirs only
-                try:
-                    exposed = isolation.expose_import_dirs(unreadable_import_dirs(self.uid, self.gid),
-                                                           self.uid, self.gid)
-                    if exposed:
-                        log.info("import directories bind-mounted read-only for the cell uid: %s",
-                                 ", ".join(exposed))
-                except OSError as exc:
-                    log.warning("could not expose the import directories to the cell uid: %s", exc)
             try:
-                done = isolation.remount_read_only(keep=self.tmpfs_dirs)
-                read_only[0] = f"{done} mounts read-only (all but the scratch tmpfs, /proc, /sys, /dev)"
-            except OSError as exc:
-                read_only[0] = exc
-            if isinstance(pid_namespace, str):
-                try:  # a /proc that shows this pid namespace only
-                    isolation.mount("proc", "/proc", "proc",
-                                    isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
-                except OSError as exc:
-                    pid_ns[0] = exc
+                import_warm_modules()  # their shared libraries are mapped now: part of the allowlist
+                exposed, masked = rootfs.exposed_paths(self.limits.expose)
+                root = rootfs.build_root(exposed, masked, rootfs.literal_paths(self.limits.expose),
+                                         uid=self.uid, gid=self.gid, scratch_mb=self.limits.tmpfs_mb)
+            except OSError as exc:  # degraded (reported): the host's tree, read-only, with a private scratch
+                allowlist[0] = exc
+                self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
+                try:
+                    done = isolation.remount_read_only(keep=self.tmpfs_dirs)
+                    read_only[0] = f"{done} mounts read-only (all but the scratch tmpfs, /proc, /sys, /dev)"
+                except OSError as exc2:
+                    read_only[0] = exc2
+                if isinstance(pid_namespace, str):
+                    try:  # a /proc that shows this pid namespace only
+                        isolation.mount("proc", "/proc", "proc",
+                                        isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
+                    except OSError as exc2:
+                        pid_ns[0] = exc2
+            else:
+                self.exposed, self.tmpfs_dirs, self._keep = exposed, root.scratch, frozenset(root.keep)
+                allowlist[0] = (f"own root: {len(exposed)} host paths read-only, minimal /etc and /dev"
+                                + (f", {len(masked)} project dirs hidden" if masked else ""))
+                read_only[0] = "every mount of the cells' root but the scratch tmpfs and /proc"
+                log.debug("exposed to cells (read-only): %s", ", ".join(exposed))
             return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
 
         if self._protect("private_tmpfs", private_tmp) is not None:
@@ -356,6 +321,13 @@ class Zygote:
             if self.can_switch_uid:
                 os.chown(self.workdir, self.uid, self.gid)
             self._scratch_dirs = [self.workdir]
+
+        def filesystem_allowlist() -> str:
+            if isinstance(allowlist[0], Exception):
+                raise allowlist[0]
+            return allowlist[0]
+
+        self._protect("filesystem_allowlist", filesystem_allowlist)
 
         def read_only_filesystem() -> str:
             if isinstance(read_only[0], Exception):
@@ -372,23 +344,6 @@ class Zygote:
             return pid_ns[0]
 
         self._protect("pid_namespace", own_pids)
-        name = f"uid-{self.uid}"
-
-        def pids_cgroup() -> isolation.SlotCgroup:
-            cg = isolation.SlotCgroup("pids", name)
-            cg.write("pids.max", self.limits.max_processes + 2)  # + the zygote and the next cell, forked ahead
-            return cg
-
-        def memory_cgroup() -> isolation.SlotCgroup:
-            cg = isolation.SlotCgroup("memory", name)
-            self.swap_accounting = (cg.path / "memory.memsw.limit_in_bytes").exists()
-            self._oom_kills = isolation.memory_oom_kills(cg)
-            return cg
-
-        self.memory_cg = self._protect("cgroup_memory", memory_cgroup)
-        self.pids_cg = self._protect("cgroup_pids", pids_cgroup)
-
-        self.seccomp = self._protect("seccomp", isolation.build_seccomp_filter)
 
         def tree_kill() -> str:
             if self.pids_cg is not None or self.memory_cg is not None:
@@ -632,7 +587,7 @@ class Zygote:
 
     def _wipe_scratch(self) -> None:
         for d in self._scratch_dirs:
-            isolation.wipe_dir(d)
+            isolation.wipe_dir(d, self._keep)
 
     def _lift_memory_limit(self) -> None:
         if self.memory_cg is not None:
@@ -876,19 +831,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         zygote.setup(pid_namespace)
         warm_up()
-        if zygote.can_switch_uid:
-            unreadable = unreadable_import_dirs(zygote.uid, zygote.gid)
-            if unreadable:
-                loaded, _ = preload_stdlib()
-                log.warning("the cell uid cannot read %s: preloaded %d standard-library modules; other "
-                            "modules from there fail to import in cells (install Python where every uid "
-                            "can read it)", ", ".join(unreadable), loaded)
         gc.collect()
         gc.freeze()
         huge = hugepages.collapse()  # before entering the cgroups: the warm heap is charged outside the slot
         log.info("warm heap: %d MiB in huge pages (%d collapsed)", hugepages.anon_huge_bytes() >> 20, huge)
         zygote.enter_cgroups()
-        send_frame(sock, encode_msg(_ZygoteHello(protections=zygote.protections)))
+        send_frame(sock, encode_msg(ZygoteHello(protections=zygote.protections, exposed=zygote.exposed)))
         zygote.prepare_next()
         while True:
             frame = recv_frame(sock)

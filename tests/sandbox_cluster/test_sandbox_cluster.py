@@ -75,7 +75,7 @@ def test_status_reports_every_protection(cluster, client):
         names = {p.name for p in worker.protections}
         assert names == {"subreaper", "clean_environment", "uid_switch", "network_namespace", "private_tmpfs",
                          "cgroup_memory", "cgroup_pids", "seccomp", "rlimits", "process_tree_kill",
-                         "ipc_namespace", "read_only_filesystem", "pid_namespace"}
+                         "ipc_namespace", "read_only_filesystem", "pid_namespace", "filesystem_allowlist"}
         missing = [p for p in worker.protections if not p.active]
         assert all(p.detail for p in missing)  # a missing protection always says why
     assert set(status.missing_protections) == {

@@ -104,11 +104,13 @@ def test_without_a_private_tmpfs_only_the_zygotes_own_dir_is_wiped(tmp_path):
 
 _EXPOSE_SCRIPT = r"""
 import os, sys
-from sandbox_cluster import isolation
+from sandbox_cluster import isolation, rootfs
 home, lib = sys.argv[1], sys.argv[2]
 isolation.unshare(isolation.CLONE_NEWNS)
 isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
-print("exposed", isolation.expose_import_dirs([lib], 61998, 61998) == [lib])
+exposed, masked = rootfs.exposed_paths([lib])
+rootfs.build_root(exposed, masked, rootfs.literal_paths([lib]), uid=61998, gid=61998, scratch_mb=4)
+print("exposed", lib in exposed and os.listdir(lib) == ["mod.py"])
 pid = os.fork()
 if pid == 0:
     os.setgroups([]); os.setresgid(61998, 61998, 61998); os.setresuid(61998, 61998, 61998)
