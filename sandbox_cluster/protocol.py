@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Hard bounds enforced at the broker edge (a request past them is answered ``error``).
 MAX_CODE_BYTES = 1 << 20  # 1 MiB of source
@@ -105,7 +105,11 @@ def decode_result(data: bytes) -> ExecResult:
 #
 # Every ZeroMQ message is multipart: ``[kind, payload?]``.
 #   client -> broker : EXEC <ExecRequest> | STATUS
-#   broker -> client : RESULT <ExecResult> | STATUS <ClusterStatus>
+#   broker -> client : ACCEPTED <request id> | RESULT <ExecResult> | STATUS <ClusterStatus>
+#
+# ZeroMQ drops a message handed to a connection that is dying (a broker restarting): a
+# client resends a request until the broker says ACCEPTED (or answers it); a copy that
+# reaches a broker still holding that client's request id is only acknowledged again.
 #   worker -> broker : READY <WorkerHello> | HEARTBEAT | RESULT <ExecResult>
 #                      | FAILED <SlotFailure> | BYE
 #   broker -> worker : EXEC <ExecRequest> | HEARTBEAT | RESET
@@ -119,6 +123,7 @@ KIND_HEARTBEAT = b"HEARTBEAT"
 KIND_FAILED = b"FAILED"
 KIND_BYE = b"BYE"
 KIND_RESET = b"RESET"
+KIND_ACCEPTED = b"ACCEPTED"
 
 
 class Protection(msgspec.Struct, kw_only=True, frozen=True):

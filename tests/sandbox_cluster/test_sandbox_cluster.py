@@ -97,6 +97,9 @@ def raw(cluster):
 def _reply(sock: zmq.Socket, timeout_s: float = 10.0) -> P.ExecResult:
     assert sock.poll(int(timeout_s * 1000)), "no reply"
     kind, payload = sock.recv_multipart()
+    if kind == P.KIND_ACCEPTED:  # taken; the result follows
+        assert sock.poll(int(timeout_s * 1000)), "no result"
+        kind, payload = sock.recv_multipart()
     assert kind == P.KIND_RESULT
     return P.decode_result(payload)
 
