@@ -45,7 +45,7 @@ class LocalCluster:
         heartbeat_liveness: int = 6,
         restart_workers: bool = True,
         env: dict[str, str] | None = None,
-        log_level: str = "WARNING",
+        log_level: str = "warning",
         priority_boost: int = 5,
         start_timeout_s: float = 180.0,
         **limits,
@@ -96,7 +96,7 @@ class LocalCluster:
     # ---- processes
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
+        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level.lower(), *args,
                 "--priority-boost", str(self._priority_boost), "--exit-with-parent"]
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:

@@ -83,12 +83,6 @@ def prctl(option: int, arg: int = 0) -> None:
 # --------------------------------------------------------------------------- namespaces / mounts
 
 
-def enter_private_namespaces() -> None:
-    """Give the calling process (the zygote) an empty network namespace and a private mount namespace."""
-    unshare(CLONE_NEWNET | CLONE_NEWNS)
-    mount("none", "/", None, MS_REC | MS_PRIVATE)
-
-
 # Kept writable in the zygote's mount namespace: the zygote manages cgroups under /sys and a
 # cell sets its own /proc/self/oom_score_adj; /dev holds device nodes (and our /dev/shm tmpfs).
 _KEEP_WRITABLE = ("/proc", "/sys", "/dev")

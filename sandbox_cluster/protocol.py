@@ -7,6 +7,8 @@ Messages are msgspec Structs encoded with msgpack. A client sends an
 from __future__ import annotations
 
 import enum
+import socket
+import struct
 
 import msgspec
 
@@ -219,3 +221,50 @@ def salvage_id(data: bytes) -> str:
     if isinstance(obj, dict) and isinstance(obj.get("id"), str):
         return obj["id"][:256]
     return ""
+
+
+# ---------------------------------------------------------------------------
+# Worker <-> zygote: length-prefixed frames over a socketpair. The zygote's first frame is
+# a ``ZygoteHello``; then requests (``ExecRequest``) go in and results (``ExecResult``) out.
+# ---------------------------------------------------------------------------
+
+_LEN = struct.Struct("!I")
+
+
+class ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
+    """A zygote is warm: the layers it could set up and what its cells see of the host."""
+
+    protections: list[Protection]
+    exposed: list[str] = msgspec.field(default_factory=list)
+
+
+def decode_zygote_hello(data: bytes) -> ZygoteHello:
+    return msgspec.msgpack.decode(data, type=ZygoteHello)
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """One frame, or None on a clean EOF."""
+    header = _recv_exact(sock, _LEN.size)
+    if header is None:
+        return None
+    (size,) = _LEN.unpack(header)
+    payload = _recv_exact(sock, size)
+    if payload is None:
+        raise ConnectionError("peer closed mid-frame")
+    return payload
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(min(size - len(buf), 1 << 20))
+        if not chunk:
+            if buf:
+                raise ConnectionError("peer closed mid-frame")
+            return None
+        buf += chunk
+    return bytes(buf)

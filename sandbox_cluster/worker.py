@@ -26,7 +26,8 @@ import zmq
 from . import protocol as P
 from .isolation import UidLease
 from .limits import SandboxLimits
-from .zygote import CELL_ENV, decode_zygote_hello, recv_frame, send_frame
+from .protocol import decode_zygote_hello, recv_frame, send_frame
+from .zygote import CELL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +339,3 @@ class Worker:
         if not was_ready:  # it died while warming up: something is wrong with this host, not with a cell
             raise RuntimeError(f"zygote {slot.index} failed to start again ({reason}); worker exits")
         slot.start()
-
-
-def run_worker(config: WorkerConfig) -> None:
-    Worker(config).run()

@@ -14,19 +14,19 @@ import pytest
 from sandbox_cluster import protocol as P
 from sandbox_cluster.limits import SandboxLimits
 from sandbox_cluster.worker import Worker, WorkerConfig, ZygoteProcess
-from sandbox_cluster.zygote import Zygote
+from sandbox_cluster.zygote.layers import Layers
 
 
 def test_a_failing_layer_is_recorded_with_its_reason(caplog):
-    zygote = Zygote(uid=61999, limits=SandboxLimits())
+    layers = Layers(uid=61999, limits=SandboxLimits())
 
     def no_cgroups():
         raise OSError(30, "Read-only file system: /sys/fs/cgroup/memory")
 
     with caplog.at_level(logging.WARNING):
-        assert zygote._protect("cgroup_memory", no_cgroups) is None
-        assert zygote._protect("seccomp", lambda: "compiled") == "compiled"
-    assert zygote.protections == [
+        assert layers._protect("cgroup_memory", no_cgroups) is None
+        assert layers._protect("seccomp", lambda: "compiled") == "compiled"
+    assert layers.protections == [
         P.Protection(name="cgroup_memory", active=False, detail="OSError: [Errno 30] Read-only file system: "
                                                                  "/sys/fs/cgroup/memory"),
         P.Protection(name="seccomp", active=True, detail="compiled"),
