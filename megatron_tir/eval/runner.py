@@ -83,7 +83,7 @@ def _build_engine(cfg: EvalConfig, model_dir: Path):
 
 def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, list[Group]]:
     from megatron_tir.data import load_problems
-    from megatron_tir.models import resolve_model
+    from megatron_tir.model_sources import resolve_model
     from megatron_tir.reward import MathVerifier
     from megatron_tir.rollout import ClusterSandbox, RolloutConfig, TIRRollout
     from megatron_tir.tir import PromptConfig
