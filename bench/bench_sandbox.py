@@ -251,7 +251,8 @@ def run_bench(config: BenchConfig, console=None) -> dict:
             clients = {"cluster": client}
             if config.baseline_tree:
                 env = {"PYTHONPATH": str(Path(config.baseline_tree).resolve())}
-                base = stack.enter_context(LocalCluster(workers=config.workers, env=env))
+                # (upper-case log level: a tree from before the lower-case CLI convention knows only those)
+                base = stack.enter_context(LocalCluster(workers=config.workers, env=env, log_level="WARNING"))
                 clients["cluster @baseline"] = stack.enter_context(SandboxClient(base.address))
         _measure(config, console, bare, clients, rows)
         missing = cluster.status().missing_protections

@@ -96,7 +96,7 @@ class LocalCluster:
     # ---- processes
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level.lower(), *args,
+        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
                 "--priority-boost", str(self._priority_boost), "--exit-with-parent"]
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:
