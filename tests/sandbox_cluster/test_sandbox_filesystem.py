@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import sandbox_cluster
-from sandbox_cluster import Status, rootfs
+from sandbox_cluster import LocalCluster, SandboxClient, Status, rootfs
 
 CHECKOUT = Path(sandbox_cluster.__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the cells' root needs root (mount namespace)")
@@ -172,3 +172,20 @@ def test_a_cluster_run_from_a_venv_under_tmp_serves_numpy():
         assert "filesystem_allowlist" not in str(report["missing"])
     finally:
         shutil.rmtree(top)
+
+
+@needs_root
+@pytest.mark.slow
+def test_an_exposed_path_is_shown_read_only(tmp_path_factory):
+    extra = Path(tempfile.mkdtemp(prefix="sandbox-exposed-", dir="/"))
+    try:
+        extra.chmod(0o755)
+        (extra / "table.txt").write_text("7\n")
+        with LocalCluster(workers=1, expose=[str(extra)]) as cluster, SandboxClient(cluster.address) as client:
+            assert str(extra) in client.status().workers[0].exposed
+            res = client.run(f"import os\nprint(open({str(extra / 'table.txt')!r}).read().strip())\n"
+                             f"try:\n    open({str(extra / 'new')!r}, 'w')\nexcept OSError as exc:\n"
+                             "    print(exc.strerror)\n")
+        assert (res.status, res.stdout) == (Status.OK, "7\nRead-only file system\n")
+    finally:
+        shutil.rmtree(extra)
