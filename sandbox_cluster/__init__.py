@@ -41,8 +41,9 @@ silently; ``require_full_isolation=True`` refuses to start instead):
   ``--expose PATH``), a minimal /etc (generated passwd, group, hosts, nsswitch.conf and the
   loader cache), a minimal /dev (null, zero, full, random, urandom), a /proc of its own pid
   namespace, and nothing else: no home directories, no project checkout (hidden even where
-  an exposed directory holds it), no data, runs or checkpoints, whatever their mode, and no
-  file created on the host after the start. The host's root is detached (``pivot_root``).
+  an exposed directory holds it), no data, runs or checkpoints, whatever their mode (the
+  exposed trees are live views: what is added to them later shows too). The host's root is
+  detached (``pivot_root``).
   The allowlist is logged once by each worker and shown by ``sandbox-cluster status``;
 - disk: /tmp (the working dir), /var/tmp and /dev/shm are private size-limited tmpfs
   mounts of the slot, wiped after every request (their pages count against the cell's
