@@ -48,7 +48,10 @@ class SandboxLimits:
             )
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The fields that differ from their defaults (``from_json`` fills in the rest)."""
+        default = SandboxLimits()
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if getattr(self, f.name) != getattr(default, f.name)})
 
     @classmethod
     def from_json(cls, text: str) -> SandboxLimits:
