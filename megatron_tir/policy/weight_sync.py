@@ -149,9 +149,15 @@ def _daemon_call(fn) -> concurrent.futures.Future:
 
     def target() -> None:
         try:
-            future.set_result(fn())
+            result = fn()
         except BaseException as exc:  # handed to the awaiting coroutine
-            future.set_exception(exc)
+            if not future.cancelled():
+                future.set_exception(exc)
+            else:
+                log.debug("abandoned weight-update group join ended: %r", exc)
+            return
+        if not future.cancelled():
+            future.set_result(result)
 
     threading.Thread(target=target, name="weight-sync-group", daemon=True).start()
     return future
