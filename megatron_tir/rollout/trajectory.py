@@ -157,10 +157,6 @@ class Trajectory:
         return len(self.loss_mask) - sum(self.loss_mask)
 
     @property
-    def code_turns(self) -> list[Turn]:
-        return [t for t in self.turns if t.kind is TurnKind.CODE]
-
-    @property
     def correct(self) -> bool:
         return self.reward is not None and self.reward > 0
 
