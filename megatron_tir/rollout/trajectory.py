@@ -170,6 +170,7 @@ class Trajectory:
             "ground_truth": self.ground_truth,
             "status": None if self.status is None else self.status.value,
             "void": self.void,
+            "has_void_turn": self.has_void_turn,
             "void_reason": self.void_reason,
             "final_answer": self.final_answer,
             "answer_source": self.answer_source,
