@@ -191,7 +191,7 @@ class MathVerifier:
         for w in workers:
             w.stop()
 
-    def __enter__(self) -> "MathVerifier":
+    def __enter__(self) -> MathVerifier:
         return self
 
     def __exit__(self, *exc) -> None:
