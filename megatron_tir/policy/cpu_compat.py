@@ -37,10 +37,16 @@ pipelining, and 1F1B at PP=2) forward+backward with gradients equal to transform
 ``dist_checkpointing`` save/load at any TP/PP (TP=3 x PP=2 on 6 ranks), tied embeddings
 across PP stages. Note for loss functions: the schedule divides the returned loss in
 place by the number of micro-batches, so report ``loss.detach().clone()``.
-What is NOT covered yet (the trainer's issue may extend ``PATCHES``): Megatron DDP
-(``current_stream``), the distributed optimizer (``Tensor.type()`` names), ``clip_grads``
-(``device="cuda"``), the rerun state machine, and ``sequence_parallel`` (needs
-Transformer Engine). dist_checkpointing's writer spawns a result-queue manager process
+* Megatron DDP's grad buffers (``param_and_grad_buffer``), the optimizers' found-inf and
+  scale tensors and ``clip_grads``' norm buffers (``device='cuda'``), the distributed
+  optimizer's shard buffers: through the same ``torch`` proxy.
+* ``Tensor.type()`` names: grad clipping asserts ``'torch.cuda.FloatTensor'`` grads and the
+  distributed optimizer sorts parameters by CUDA type names; during those calls only,
+  ``Tensor.type()`` names a CPU tensor as its CUDA twin.
+
+Not covered: 16-bit parameters on CPU (the learner refuses bfloat16 without a GPU),
+overlapped grad reduce / param gather (CUDA streams), the rerun state machine, and
+``sequence_parallel`` (needs Transformer Engine). dist_checkpointing's writer spawns a result-queue manager process
 on its first save in a process (~1-3 s here) and forks one writer per bucket.
 """
 
@@ -70,6 +76,10 @@ _CUDA_DEVICE_MODULES = (
     ("megatron.core.dist_checkpointing.strategies.filesystem_async", "torch.cuda.synchronize()"),
     ("megatron.core.dist_checkpointing.strategies.state_dict_saver", "torch.cuda.current_device()"),
     ("megatron.core.pipeline_parallel.schedules", 'device="cuda"'),
+    ("megatron.core.distributed.param_and_grad_buffer", "torch.cuda.current_device()"),
+    ("megatron.core.optimizer.optimizer", "device='cuda'"),
+    ("megatron.core.optimizer.clip_grads", "device='cuda'"),
+    ("megatron.core.optimizer.distrib_optimizer", "torch.cuda.current_device()"),
 )
 
 
@@ -95,6 +105,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch(module="megatron.core.models.common.language_module.language_module",
           attribute="LanguageModule.setup_embeddings_and_output_layer",
           marker="weight.data.cuda()", why="tied embedding moved to CUDA before its PP all-reduce"),
+    Patch(module="megatron.core.optimizer.optimizer", attribute="clip_grad_by_total_norm_fp32",
+          marker="param.grad.type() == 'torch.cuda.FloatTensor'",
+          why="grad clipping asserts CUDA float grads by type name"),
+    Patch(module="megatron.core.optimizer.distrib_optimizer",
+          attribute="DistributedOptimizer._build_model_and_main_param_groups",
+          marker="model_param.type() == 'torch.cuda.FloatTensor'",
+          why="distributed optimizer sorts params by CUDA type names"),
 )
 
 
@@ -199,6 +216,28 @@ def _keep_on_cpu(method):
     return wrapper
 
 
+def _cuda_type_names(fn):
+    """``fn`` during which ``Tensor.type()`` names CPU tensors as their CUDA twins
+    (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``); conversions (``type(dtype)``) unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original_type = torch.Tensor.type
+
+        def type_(t, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and t.device.type == "cpu":
+                return original_type(t).replace("torch.", "torch.cuda.", 1)
+            return original_type(t, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_  # only for the duration of this call
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original_type
+
+    return wrapper
+
+
 def resolve(patch: Patch):
     """(owner object, attribute name, current value) of a patch target; AttributeError if it moved."""
     owner = importlib.import_module(patch.module)
@@ -222,6 +261,10 @@ def _replacement(patch: Patch, current):
         return _make_cpu_rng_tracker(current)
     if patch.attribute.endswith("setup_embeddings_and_output_layer"):
         return _keep_on_cpu(current)
+    if patch.attribute == "clip_grad_by_total_norm_fp32":
+        return _cuda_type_names(current)
+    if patch.attribute.endswith("_build_model_and_main_param_groups"):  # a classmethod
+        return classmethod(_cuda_type_names(current.__func__))
     raise AssertionError(patch)
 
 

@@ -24,7 +24,8 @@ def load_model(model, ckpt: Path) -> None:
 
     sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
     loaded = dist_checkpointing.load(sharded, str(ckpt))
-    state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded.items()}
+    # a learner checkpoint also holds optimizer/scheduler state: take the model's entries only
+    state = {k.removeprefix(MODEL_PREFIX): loaded[k] for k in sharded}
     model.load_state_dict(state, strict=True)
 
 

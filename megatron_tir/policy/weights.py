@@ -1,0 +1,169 @@
+"""Policy weights in and out of a live (TP x PP) GPTModel, in HF names, with the one key map.
+
+``load_hf_weights`` fills this rank's GPTModel stage straight from an HF directory (no
+converted copy on disk): for each entry of the model's own sharded state dict, the
+Megatron tensor is made from the HF tensors (``keymap.to_megatron``) and this rank's
+slice of it (global offset and local shape from the sharded entry; a SwiGLU ``linear_fc1``
+is the factory of its gate and up halves) is copied into the parameter.
+
+``hf_buckets`` is the other way, for weight sync: stage by stage, the stage's first TP
+rank of data-parallel replica 0 gathers each parameter's TP shards (``all_gather`` over the
+TP group), splits it into HF tensors (``keymap.to_hf``) and sends them to global rank 0
+(gloo/nccl point-to-point) unless it is rank 0; rank 0 yields buckets of about
+``bucket_bytes``. A collective: every rank must exhaust the iterator; only rank 0 gets
+tensors. Tensors of rank 0's own stage at TP=1 are views of the live parameters (no copy):
+use them before the next optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_tir.policy import keymap
+from megatron_tir.policy.checkpoint.hf_io import HFReader
+from megatron_tir.policy.checkpoint.layout import MODEL_PREFIX
+from megatron_tir.policy.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_LAYERS = "decoder.layers."
+
+
+def _global_name(local: str, layer_offset: int, spec: ModelSpec) -> str:
+    """A stage's state-dict name (local layer index) -> the key map's name (global layer index);
+    a tied output layer (on the last stage) is the embedding."""
+    if local.startswith(_LAYERS):
+        i, rest = local.removeprefix(_LAYERS).split(".", 1)
+        return f"{_LAYERS}{int(i) + layer_offset}.{rest}"
+    if local == "output_layer.weight" and spec.tie_word_embeddings:
+        return "embedding.word_embeddings.weight"
+    return local
+
+
+def _layer_offset(model) -> int:
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
+    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    plans = {p.megatron: p for p in keymap.plan(spec)}
+    params = model.state_dict(keep_vars=True)
+    layer_offset = _layer_offset(model)
+    reader = HFReader(Path(hf_dir))
+    cached: tuple[str, torch.Tensor] | None = None
+    try:
+        for name, entry in model.sharded_state_dict(prefix=MODEL_PREFIX).items():
+            if isinstance(entry, ShardedObject):
+                continue
+            leaves = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
+            parts = []
+            mname = _global_name(name.removeprefix(MODEL_PREFIX), layer_offset, spec)
+            for leaf in leaves:
+                if cached is None or cached[0] != mname:
+                    if mname not in plans:
+                        raise AssertionError(f"{mname} is not in the {spec.family} key map")
+                    p = plans[mname]
+                    reader.release()
+                    cached = (mname, keymap.to_megatron(p, [reader.get(n) for n in p.hf], spec))
+                offsets = tuple(leaf.global_offset)[leaf.prepend_axis_num:]
+                parts.append(cached[1][tuple(slice(o, o + s) for o, s in zip(offsets, leaf.local_shape))])
+            local = entry.merge_fn(parts) if isinstance(entry, ShardedTensorFactory) else parts[0]
+            target = params[name.removeprefix(MODEL_PREFIX)]
+            if tuple(local.shape) != tuple(target.shape):
+                raise AssertionError(f"{name}: HF slice {tuple(local.shape)} vs parameter {tuple(target.shape)}")
+            target.data.copy_(local)
+    finally:
+        reader.close()
+
+
+def stage_plans(spec: ModelSpec, stage: int, pp: int) -> list[keymap.TensorPlan]:
+    """The key-map entries held by pipeline stage ``stage`` of ``pp`` (uniform layer split), in order."""
+    per_stage = spec.num_layers // pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    out = []
+    for p in keymap.plan(spec):
+        if p.megatron.startswith(_LAYERS):
+            keep = int(p.megatron.split(".")[2]) in layers
+        elif p.megatron.startswith("embedding."):
+            keep = stage == 0
+        else:  # final norm, output layer
+            keep = stage == pp - 1
+        if keep:
+            out.append(p)
+    return out
+
+
+def _gather_tp(param: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
+    """The full tensor of a (possibly TP-sharded) parameter; collective over the TP group."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    data = param.detach()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return data
+    shards = [torch.empty_like(data) for _ in range(tp)]
+    torch.distributed.all_gather(shards, data.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    if gated and name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of ``(HF name, full tensor)`` on global rank 0 (see the module docstring); collective."""
+    from megatron.core import parallel_state
+
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    rank = torch.distributed.get_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    in_replica0 = parallel_state.get_data_parallel_rank() == 0
+    is_sender_tp = parallel_state.get_tensor_model_parallel_rank() == 0
+    senders = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    params = dict(model.named_parameters())
+    layer_offset = _layer_offset(model)
+    local_names = {_global_name(n, layer_offset, spec): n for n in params if n != "output_layer.weight"
+                   or not spec.tie_word_embeddings}
+    dtype = next(iter(params.values())).dtype
+    device = next(iter(params.values())).device
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for stage in range(pp):
+        sender = senders[stage] if rank == 0 else None
+        gathering = in_replica0 and my_stage == stage
+        if rank != 0 and not gathering:
+            continue
+        for p in stage_plans(spec, stage, pp):
+            tensors: list[torch.Tensor] | None = None
+            if gathering:
+                local = local_names[p.megatron]
+                full = _gather_tp(params[local], local, gated=True)
+                tensors = keymap.to_hf(p, full, spec)
+                if is_sender_tp and rank != 0:
+                    for t in tensors:
+                        torch.distributed.send(t.contiguous(), dst=0)
+                    continue
+                if not is_sender_tp:
+                    continue
+            if rank == 0:
+                if tensors is None:  # another stage's: receive it
+                    tensors = [torch.empty(s, dtype=dtype, device=device) for s in p.hf_shapes]
+                    for t in tensors:
+                        torch.distributed.recv(t, src=sender)
+                for name, t in zip(p.hf, tensors):
+                    bucket.append((name, t))
+                    size += t.numel() * t.element_size()
+                    if size >= bucket_bytes:
+                        yield bucket
+                        bucket, size = [], 0
+    if bucket:
+        yield bucket
