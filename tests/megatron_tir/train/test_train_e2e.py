@@ -64,6 +64,14 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     check_ok(p)
     assert (run / "plots" / "reward.png").is_file() and "reward.png" in p.stdout
 
+    # the policy of a run checkpoint exports to HF with tir-ckpt
+    hf = tmp_path / "hf"
+    p = subprocess.run([PY, "-m", "checkpoints_tools.cli", "megatron-to-hf", "--ckpt",
+                        str(run / "checkpoints" / "step_3" / "learner"), "--out", str(hf)], env=ENV,
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    check_ok(p)
+    assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
+
 
 def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
     """Step count, optimizer state, data position and RNG survive a resume: step 3 of a run
