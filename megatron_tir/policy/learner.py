@@ -102,7 +102,12 @@ class Learner:
         self._source = source
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_files)
 
-        overrides: dict = {"perform_initialization": False, "variable_seq_lengths": config.pp > 1}
+        # weights are loaded below; initialisation still runs, because it is what marks the
+        # tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``) that grad norm,
+        # clipping and weight export rely on
+        overrides: dict = {"variable_seq_lengths": config.pp > 1}
+        if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
+            overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         if config.fp8 is not None:
             overrides.update(fp8=_FP8_FORMATS[config.fp8], fp8_recipe="delayed")
         model = build_gpt_model(self.spec, use_te=True if config.fp8 else None, **overrides)
@@ -397,10 +402,13 @@ class Learner:
                      loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Send the current weights to ``engine`` (global rank 0; None elsewhere). Collective.
 
-        A ``LocalEngine`` gets them through ``update_weights`` (a coroutine: run on ``loop``,
-        the event loop the engine lives on, or a fresh one when ``loop`` is None; from inside a
-        running loop use ``await sync_weights_async``). Any other engine must be a weight-sync
-        sender with ``send(buckets, *, weight_version)`` (``megatron_tir.policy.weight_sync``).
+        ``engine`` decides the transport: a ``LocalEngine`` gets them through
+        ``update_weights``; for SGLang pass the connected ``megatron_tir.policy.weight_sync``
+        object (``DistributedWeightSync`` over NCCL, ``TensorWeightSync`` when colocated), whose
+        ``send(buckets, weight_version=str(step))`` pauses the servers, loads the buckets as they
+        are exported and resumes. Both are coroutines: they run on ``loop`` (the event loop the
+        engine lives on) or on a fresh one when ``loop`` is None; from inside a running loop use
+        ``await sync_weights_async``.
         """
         coro = self.sync_weights_async(engine, bucket_bytes=bucket_bytes)
         if loop is not None:
@@ -434,6 +442,6 @@ class Learner:
         if send is None:
             for _ in buckets:  # keep the collective going on the other ranks
                 pass
-            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight-sync "
-                             f"sender with send(buckets, weight_version=...)")
-        send(buckets, weight_version=str(self.step))
+            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight sync "
+                             f"(megatron_tir.policy.weight_sync.DistributedWeightSync / TensorWeightSync)")
+        await send(buckets, weight_version=str(self.step))

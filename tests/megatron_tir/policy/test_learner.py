@@ -13,15 +13,6 @@ from learner_testing import hf_logprobs, make_batch, ppo_loss
 from megatron_tir.policy.learner_config import LearnerConfig, TrainBatch
 
 
-@pytest.fixture(scope="module")
-def parallel_1x1():
-    from megatron_tir.policy.parallel import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
-
-
 def _learner(parallel_1x1, **kw):
     from megatron_tir.policy.learner import Learner
 
@@ -42,6 +33,7 @@ def test_logprobs_and_entropy_equal_transformers_tiny_qwen2(tiny_learner, temper
                                     with_entropy=True)
     ref_lp, ref_ent = hf_logprobs(resolve_model("tiny-qwen2"), batch.tokens_BT, batch.attention_mask_BT,
                                   temperature=temperature)
+    print(f"parity tiny-qwen2 tp1 T={temperature}: max |logp - transformers| = {(lp - ref_lp).abs().max():.2e}")
     assert lp.dtype == torch.float32 and lp.shape == batch.tokens_BT.shape
     assert (lp - ref_lp).abs().max() <= 1e-4 and (ent - ref_ent).abs().max() <= 1e-4
     assert (lp[~batch.attention_mask_BT] == 0).all() and (lp[:, 0] == 0).all() and lp[1, 2] == 0  # row starts
@@ -55,6 +47,7 @@ def test_logprobs_equal_transformers_smollm2(parallel_1x1, smollm2_dir):
     tokens, mask = ids.input_ids, ids.attention_mask.bool()
     lp = learner.logprobs(tokens, mask)
     ref, _ = hf_logprobs(smollm2_dir, tokens, mask)
+    print(f"parity smollm2 tp1: max |logp - transformers| = {(lp - ref).abs().max():.2e}")
     assert (lp - ref).abs().max() <= 1e-4
 
 
@@ -86,6 +79,7 @@ def test_logprobs_equal_the_local_engines_sampled_logprobs(tiny_learner, tempera
     for b, g in enumerate(gens):
         ours = lp[b, len(prompt):len(prompt) + len(g.token_ids)]
         ratio = torch.exp(ours - torch.tensor(g.logprobs))
+        print(f"parity local engine T={temperature} row {b}: max |ratio - 1| = {(ratio - 1).abs().max():.2e}")
         assert (ratio - 1).abs().max() <= 1e-4, (b, ratio)
 
 
