@@ -31,6 +31,7 @@ from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.tir import PromptConfig
 
 ADVANTAGES = ("grpo", "reinforce_pp")
+DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
 OLD_LOGPROBS = ("learner", "engine")
 
 
@@ -312,6 +313,8 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
         key, text = key.strip(), text.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
+        if key in DERIVED_KEYS:
+            raise ValueError(f"{key} follows the top-level model; set model={text} instead")
         path = key.split(".")
         _assign(cfg, path, text, key)
         touched.setdefault("".join(p + "." for p in path[:-1]), []).append(f"{key}={text}")
