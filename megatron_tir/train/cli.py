@@ -19,6 +19,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def prepare(args: argparse.Namespace):
         if not args.out:
             raise ValueError("--recipe needs --out RUN_DIR")
         run_dir = Path(args.out)
-        if _rank() == 0 and run_dir.exists() and any(run_dir.iterdir()):
+        if _rank() == 0 and run_dir.exists() and any(p.name not in LAUNCHER_ENTRIES for p in run_dir.iterdir()):
             raise ValueError(f"--out {run_dir} exists and is not empty (continue it with --resume {run_dir})")
         cfg = apply_overrides(load_recipe(args.recipe), args.overrides)
         state = TrainerState()
