@@ -102,7 +102,12 @@ class Learner:
         self._source = source
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_files)
 
-        overrides: dict = {"perform_initialization": False, "variable_seq_lengths": config.pp > 1}
+        # weights are loaded below; initialisation still runs, because it is what marks the
+        # tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``) that grad norm,
+        # clipping and weight export rely on
+        overrides: dict = {"variable_seq_lengths": config.pp > 1}
+        if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
+            overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         if config.fp8 is not None:
             overrides.update(fp8=_FP8_FORMATS[config.fp8], fp8_recipe="delayed")
         model = build_gpt_model(self.spec, use_te=True if config.fp8 else None, **overrides)
@@ -216,9 +221,10 @@ class Learner:
             def loss_func(logits_bLV):
                 target_bL = torch.roll(tokens_bL, -1, dims=1)
                 mask_bL = mb.mask().to(device)
-                out = {"logprobs": _shift_left(token_logprobs(logits_bLV, target_bL, temperature)) * mask_bL}
+                out = {}
                 if with_entropy:
                     out["entropy"] = _shift_left(token_entropy(logits_bLV, temperature)) * mask_bL
+                out["logprobs"] = _shift_left(token_logprobs(logits_bLV, target_bL, temperature)) * mask_bL
                 return torch.zeros((), device=device), {k: v.float().cpu() for k, v in out.items()}
             return loss_func
 
@@ -270,8 +276,8 @@ class Learner:
 
             def loss_func(logits_bLV):
                 target_bL = torch.roll(tokens_bL, -1, dims=1)
-                logp_bL = _shift_left(token_logprobs(logits_bLV, target_bL, temperature))
                 entropy_bL = _shift_left(token_entropy(logits_bLV, temperature)) if with_entropy else None
+                logp_bL = _shift_left(token_logprobs(logits_bLV, target_bL, temperature))  # may reuse the logits
                 loss_bL, metrics = loss_fn(logp_bL, entropy_bL, extras)
                 if tuple(loss_bL.shape) != tuple(logp_bL.shape):
                     raise ValueError(f"loss_fn returned a loss of shape {tuple(loss_bL.shape)}; "
@@ -326,8 +332,8 @@ class Learner:
         """True when every gradient of every rank is finite (one flag all-reduced over the world)."""
         device = next(self._model.parameters()).device
         bad = torch.zeros((), dtype=torch.float32, device=device)
-        for buffer in self._model.buffers:
-            if not torch.isfinite(buffer.grad_data).all():
+        for buffer in self._model.buffers:  # a sum is non-finite iff an element is (or it overflows)
+            if not torch.isfinite(buffer.grad_data.sum()):
                 bad.fill_(1.0)
                 break
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
@@ -397,10 +403,13 @@ class Learner:
                      loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Send the current weights to ``engine`` (global rank 0; None elsewhere). Collective.
 
-        A ``LocalEngine`` gets them through ``update_weights`` (a coroutine: run on ``loop``,
-        the event loop the engine lives on, or a fresh one when ``loop`` is None; from inside a
-        running loop use ``await sync_weights_async``). Any other engine must be a weight-sync
-        sender with ``send(buckets, *, weight_version)`` (``megatron_tir.policy.weight_sync``).
+        ``engine`` decides the transport: a ``LocalEngine`` gets them through
+        ``update_weights``; for SGLang pass the connected ``megatron_tir.policy.weight_sync``
+        object (``DistributedWeightSync`` over NCCL, ``TensorWeightSync`` when colocated), whose
+        ``send(buckets, weight_version=str(step))`` pauses the servers, loads the buckets as they
+        are exported and resumes. Both are coroutines: they run on ``loop`` (the event loop the
+        engine lives on) or on a fresh one when ``loop`` is None; from inside a running loop use
+        ``await sync_weights_async``.
         """
         coro = self.sync_weights_async(engine, bucket_bytes=bucket_bytes)
         if loop is not None:
@@ -434,6 +443,6 @@ class Learner:
         if send is None:
             for _ in buckets:  # keep the collective going on the other ranks
                 pass
-            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight-sync "
-                             f"sender with send(buckets, weight_version=...)")
-        send(buckets, weight_version=str(self.step))
+            raise ValueError(f"sync_weights: {type(engine).__name__} is neither a LocalEngine nor a weight sync "
+                             f"(megatron_tir.policy.weight_sync.DistributedWeightSync / TensorWeightSync)")
+        await send(buckets, weight_version=str(self.step))

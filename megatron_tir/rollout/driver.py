@@ -198,7 +198,7 @@ class TIRRollout:
             # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
             # opened code block): that text is parsed as the start of turn 0.
             prefix = proto.response_prefix if turn_index == 0 else ""
-            tr = await self._generate_turn(context, budget, rng, prefix)
+            tr = await self._generate_turn(context, budget, rng, prefix, route_key=f"{group_id}/{sample_index}")
             traj.engine_requests += tr.requests
             traj.timings.generation_s += tr.seconds
             cls = proto.classify(prefix + tr.text, tr.finish)
@@ -260,7 +260,8 @@ class TIRRollout:
         traj.timings.wall_s = time.perf_counter() - t_start
         return traj
 
-    async def _generate_turn(self, context: list[int], budget: int, rng: random.Random, prefix: str = "") -> _TurnResult:
+    async def _generate_turn(self, context: list[int], budget: int, rng: random.Random, prefix: str = "",
+                             route_key: str | None = None) -> _TurnResult:
         """Generate one model turn in phases (see megatron_tir.tir.markup) within ``budget`` tokens.
 
         ``prefix`` is text at the end of ``context`` that belongs to this turn's markup.
@@ -276,7 +277,8 @@ class TIRRollout:
         discarded = 0
         while True:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, stop=proto.stop_strings(prefix + text), seed=rng.getrandbits(63))
+                                    top_k=cfg.top_k, stop=proto.stop_strings(prefix + text), seed=rng.getrandbits(63),
+                                    route_key=route_key)  # one server per trajectory: its prefix cache
             t0 = time.perf_counter()
             try:
                 gen = await self.engine.generate(context + ids, params)

@@ -31,6 +31,7 @@ from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.tir import PromptConfig
 
 ADVANTAGES = ("grpo", "reinforce_pp")
+DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
 OLD_LOGPROBS = ("learner", "engine")
 
 
@@ -161,16 +162,17 @@ def tiny_cpu() -> TrainConfig:
 
 
 def smollm2_cpu() -> TrainConfig:
-    """The embedded default: SmolLM2-135M-Instruct on the generated arithmetic task, 2 CPU cores."""
+    """The embedded default: SmolLM2-135M-Instruct learns to compute the generated arithmetic task
+    with code (chat template; the answer is what final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
-        learner=LearnerConfig(lr=2e-6, max_tokens_per_microbatch=2048),
-        rollout=RolloutConfig(n_samples=4, max_turns=3, max_response_tokens=256, temperature=1.0, max_in_flight=32,
+        learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=2048),
+        rollout=RolloutConfig(n_samples=4, max_turns=3, max_response_tokens=256, temperature=0.8, max_in_flight=32,
                               tool_timeout_s=5.0, prompt=PromptConfig(mode="chat")),
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
         data=DataConfig(eval_size=32, eval_samples=1),
-        trainer=TrainerConfig(steps=40, prompts_per_step=8, overlong="keep", save_every=10, eval_every=10),
+        trainer=TrainerConfig(steps=30, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=10, eval_every=5),
     )
 
 
@@ -311,6 +313,8 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
         key, text = key.strip(), text.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
+        if key in DERIVED_KEYS:
+            raise ValueError(f"{key} follows the top-level model; set model={text} instead")
         path = key.split(".")
         _assign(cfg, path, text, key)
         touched.setdefault("".join(p + "." for p in path[:-1]), []).append(f"{key}={text}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
@@ -39,6 +40,19 @@ class RolloutWorker:
         self.verifier = self._stack.enter_context(MathVerifier())
         self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
+        self.weight_sync = None  # SGLang: the connected sender that Learner.sync_weights drives
+        if engine_cfg.kind == "sglang":
+            from megatron_tir.policy import weight_sync as ws
+
+            if engine_cfg.colocated:
+                self.weight_sync = ws.TensorWeightSync(self.engine)
+            else:
+                from megatron_tir.policy.parallel import free_port
+
+                self.weight_sync = ws.DistributedWeightSync(self.engine, ws.DistributedWeightSyncConfig(
+                    master_address=socket.getfqdn(), master_port=free_port()))
+                self.runner.run(self.weight_sync.connect())
+                self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
     def rollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
                 progress: bool = False, desc: str = "rollout") -> list[Group]:
@@ -57,7 +71,11 @@ class RolloutWorker:
 
     def sync_from(self, learner) -> None:
         """The learner's current weights into the engine, paused around the copy (collective:
-        the other ranks call ``learner.sync_weights(None)`` at the same time)."""
+        the other ranks call ``learner.sync_weights(None)`` at the same time). SGLang: the
+        weight-sync sender pauses, loads, flushes and resumes the servers itself."""
+        if self.weight_sync is not None:
+            learner.sync_weights(self.weight_sync, loop=self.runner.get_loop())
+            return
         self.runner.run(self.engine.pause())
         try:
             learner.sync_weights(self.engine, loop=self.runner.get_loop())

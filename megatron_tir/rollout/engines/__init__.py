@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import importlib
 
-from megatron_tir.rollout.engines.base import FinishReason, Generation, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import (
+    DEFAULT_PAUSE_MODE,
+    FinishReason,
+    Generation,
+    GenerationEngine,
+    PauseMode,
+    SamplingParams,
+)
 
 _LAZY = {
     "LocalEngine": "local", "LocalEngineConfig": "local",
     "SGLangEngine": "sglang", "SGLangEngineConfig": "sglang", "SGLangError": "sglang",
-    "DistributedWeightSync": "sglang", "DistributedWeightSyncConfig": "sglang",
-    "SGLangServer": "sglang_server", "SGLangServerConfig": "sglang_server",
+    "SGLangServer": "sglang", "SGLangServerConfig": "sglang",
     "resolve_eos_token_ids": "eos",
 }
 
-__all__ = ["FinishReason", "Generation", "GenerationEngine", "SamplingParams", *_LAZY]
+__all__ = ["DEFAULT_PAUSE_MODE", "FinishReason", "Generation", "GenerationEngine", "PauseMode", "SamplingParams",
+           *_LAZY]
 
 
 def __getattr__(name: str):

@@ -7,10 +7,11 @@ trainer trains exactly what the engine generated.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +25,10 @@ class SamplingParams:
     top_k: int = -1  # -1: off
     stop: tuple[str, ...] = ()  # matched in generated text only; kept in the output
     seed: int | None = None
+    # Routing hint: requests with the same key go to the same server while it is up, so its
+    # prefix cache holds their shared prefix (e.g. one trajectory's turns). Engines with one
+    # backend ignore it.
+    route_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -36,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.route_key is not None and not isinstance(self.route_key, str):
+            raise ValueError(f"route_key must be a string or None, got {type(self.route_key).__name__}")
 
 
 class FinishReason(str, enum.Enum):
@@ -60,9 +67,52 @@ class Generation:
         assert len(self.token_ids) == len(self.logprobs), "one log-prob per sampled token"
 
 
-@runtime_checkable
+class PauseMode(str, enum.Enum):
+    """What ``GenerationEngine.pause`` does with requests in flight (SGLang's three modes)."""
+
+    ABORT = "abort"  # they finish now: ABORT with what they have generated so far
+    RETRACT = "retract"  # they wait; their KV cache is dropped and recomputed (new weights) on resume
+    IN_PLACE = "in_place"  # they wait with their KV cache and continue on resume
+
+
+DEFAULT_PAUSE_MODE = PauseMode.ABORT
+
+
+def pause_mode(mode: PauseMode | str) -> PauseMode:
+    """``mode`` as a PauseMode; ValueError naming the allowed values otherwise."""
+    try:
+        return PauseMode(mode)
+    except ValueError:
+        raise ValueError(f"pause mode must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
+
+
+def check_generate_args(prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """The checks every engine makes on a ``generate`` call; returns the prompt as a list of ints."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError("prompt_ids must be token ids, not text")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty")
+    if min(prompt) < 0:
+        raise ValueError(f"prompt_ids has negative ids, outside the vocabulary: {[t for t in prompt if t < 0][:5]}")
+    return prompt
+
+
+def bind_event_loop(bound: asyncio.AbstractEventLoop | None, owner: str) -> asyncio.AbstractEventLoop:
+    """The running loop, which must be ``bound`` when an engine is already bound to one."""
+    loop = asyncio.get_running_loop()
+    if bound is not None and bound is not loop:
+        raise RuntimeError(f"{owner} is bound to the event loop that first used it; create one per loop")
+    return loop
+
+
 class GenerationEngine(Protocol):
-    """Async generation over token ids; safe to call with many requests in flight."""
+    """Async generation over token ids; safe to call with many requests in flight.
+
+    Implementations match these signatures exactly (a test compares them).
+    """
 
     eos_token_ids: tuple[int, ...]
 
@@ -72,11 +122,10 @@ class GenerationEngine(Protocol):
         """Load new policy weights (HF parameter names) for the next requests."""
         ...
 
-    async def pause(self) -> None:
-        """Stop admitting requests (in-flight ones finish or are aborted).
+    async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
+        """Stop admitting requests; ``mode`` says what happens to those in flight (PauseMode).
 
-        LocalEngine: in-flight requests are held (``abort_in_flight=True`` aborts them);
-        SGLangEngine: ``mode="abort"`` (default), ``"retract"`` or ``"in_place"``.
+        ``generate`` calls made while paused wait for ``resume``.
         """
         ...
 

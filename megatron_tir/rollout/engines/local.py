@@ -24,12 +24,15 @@ How it works
       token only when the two best perturbed scores are that close (~1e-6 per token).
     * Finish: a stop string completed in the *generated* text (the completing token is
       kept, SGLang ``no_stop_trim``), an EOS id (kept), ``max_new_tokens``, the model's
-      context limit (LENGTH, ``meta["context_limit"] = True``), or ABORT (pause with
-      ``abort_in_flight=True``, ``close``).
+      context limit (LENGTH, ``meta["context_limit"] = True``), or ABORT (``pause`` in
+      ``PauseMode.ABORT``, ``close``).
     * ``update_weights`` and ``pause`` take effect between two steps. Requests in flight
-      during a weight update keep their KV cache and continue under the new weights
-      (like SGLang without ``flush_cache``); ``Generation.meta`` carries the weight
-      versions at the request's start and finish so the caller can tell.
+      during a weight update continue under the new weights: with their KV cache (like
+      SGLang's ``in_place`` pause, or no pause), or with it recomputed on resume
+      (``PauseMode.RETRACT``: the request is prefilled again over prompt + generated ids).
+      ``Generation.meta`` carries the weight versions at the request's start and finish,
+      and ``weight_versions``: which version sampled which output tokens
+      (``[{"version", "start", "end"}]``, SGLang's ``meta_info.weight_versions``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,16 @@ from pathlib import Path
 
 import torch
 
-from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
+from megatron_tir.rollout.engines.base import (
+    DEFAULT_PAUSE_MODE,
+    FinishReason,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    bind_event_loop,
+    check_generate_args,
+    pause_mode,
+)
 from megatron_tir.rollout.engines.eos import DEFAULT_EXTRA_EOS_TOKENS, resolve_eos_token_ids
 from megatron_tir.rollout.engines.sampling import sample_tokens
 from megatron_tir.rollout.engines.stop import StopStringMatcher
@@ -100,6 +112,7 @@ class _Request:
     weight_version_start: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    weight_spans: list[dict] = field(default_factory=list)  # {"version", "start", "end"} over token_ids
     finish: FinishReason | None = None
     matched_stop: str | None = None
     context_limit: bool = False
@@ -172,9 +185,7 @@ class LocalEngine:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         if self._closed:
             raise RuntimeError("LocalEngine is closed")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = self._validate_prompt(prompt_ids)
+        prompt = self._validate_prompt(check_generate_args(prompt_ids, params))
         self._ensure_started()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = _Request(
@@ -203,19 +214,23 @@ class LocalEngine:
             self._weight_version += 1
         log.info("updated %d tensors (weight version %d)", len(updates), self._weight_version)
 
-    async def pause(self, *, abort_in_flight: bool = False) -> None:
+    async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
         """Stop admitting and stepping; returns once no step is running.
 
-        In-flight requests are held with their KV cache and continue after ``resume``,
-        or, with ``abort_in_flight=True``, finish now with ABORT and what they have
-        generated so far (queued ones too). ``generate`` calls made while paused wait.
+        ``ABORT``: requests in flight (queued ones too) finish now with ABORT and what they
+        have generated so far. ``IN_PLACE``: they are held with their KV cache and continue
+        after ``resume``. ``RETRACT``: they are held without it and prefilled again over
+        prompt + generated ids on resume. ``generate`` calls made while paused wait.
         """
+        mode = pause_mode(mode)
         self._ensure_started()
         self._paused = True
         self._resumed.clear()
         async with self._step_lock:
-            if abort_in_flight:
-                self._abort_all("paused with abort_in_flight")
+            if mode is PauseMode.ABORT:
+                self._abort_all("paused in abort mode")
+            elif mode is PauseMode.RETRACT:
+                self._retract_all()
 
     async def resume(self) -> None:
         self._ensure_started()
@@ -246,13 +261,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ validation
 
-    def _validate_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        if isinstance(prompt_ids, (str, bytes)):
-            raise ValueError("prompt_ids must be token ids, not text")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+    def _validate_prompt(self, prompt: list[int]) -> list[int]:
+        bad = [t for t in prompt if t >= self.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(prompt) >= self.max_seq_len:
@@ -301,9 +311,8 @@ class LocalEngine:
     # ------------------------------------------------------------------ scheduler (event loop)
 
     def _ensure_started(self) -> None:
+        loop = bind_event_loop(None if self._loop_task is None else self._loop_task.get_loop(), "LocalEngine")
         if self._loop_task is not None:
-            if self._loop_task.get_loop() is not asyncio.get_running_loop():
-                raise RuntimeError("LocalEngine is bound to the event loop that first used it; create one per loop")
             return
         if self._closed:
             raise RuntimeError("LocalEngine is closed")
@@ -311,7 +320,7 @@ class LocalEngine:
         self._wake = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name="local-engine-scheduler")
+        self._loop_task = loop.create_task(self._schedule(), name="local-engine-scheduler")
         self._loop_task.add_done_callback(self._on_scheduler_done)
 
     async def _schedule(self) -> None:
@@ -369,7 +378,8 @@ class LocalEngine:
         self._live.pop(request, None)
         if request.future.done():  # cancelled by the caller
             return
-        meta = {"weight_version_start": request.weight_version_start, "weight_version": self._weight_version}
+        meta = {"weight_version_start": request.weight_version_start, "weight_version": self._weight_version,
+                "weight_versions": [dict(span) for span in request.weight_spans]}
         if request.context_limit:
             meta["context_limit"] = True
         request.future.set_result(Generation(
@@ -392,6 +402,14 @@ class LocalEngine:
             self._resolve(request)
         if requests:
             log.info("aborted %d request(s): %s", len(requests), why)
+
+    def _retract_all(self) -> None:
+        """Drop the running batch's KV cache; its requests go back to the queue's front."""
+        retracted = [r for r in self._batch.requests if r.finish is None]
+        self._batch = _Batch()
+        self._queue.extendleft(reversed(retracted))
+        if retracted:
+            log.info("retracted %d request(s)", len(retracted))
 
     # ------------------------------------------------------------------ model steps (worker thread)
 
@@ -423,12 +441,13 @@ class LocalEngine:
     def _prefill(self, requests: list[_Request]) -> tuple[_Batch, torch.Tensor]:
         from transformers.cache_utils import DynamicCache
 
-        width = max(len(r.prompt_ids) for r in requests)
+        contexts = [r.prompt_ids + r.token_ids for r in requests]  # a retracted request resumes where it was
+        width = max(len(c) for c in contexts)
         ids_BT = torch.zeros(len(requests), width, dtype=torch.long)
         mask_BT = torch.zeros(len(requests), width, dtype=torch.long)
-        for row, request in enumerate(requests):
-            n = len(request.prompt_ids)
-            ids_BT[row, width - n:] = torch.tensor(request.prompt_ids)
+        for row, context in enumerate(contexts):
+            n = len(context)
+            ids_BT[row, width - n:] = torch.tensor(context)
             mask_BT[row, width - n:] = 1
         ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
         position_BT = (mask_BT.cumsum(dim=1) - 1).clamp_(min=0)
@@ -452,9 +471,16 @@ class LocalEngine:
                                            top_k_B=top_k_B, uniform_BV=uniform_BV)
         batch.pending_B = token_B
         finished = []
+        version = str(self._weight_version)
         for request, token, logprob in zip(requests, token_B.tolist(), logprob_B.tolist()):
             request.token_ids.append(token)
             request.logprobs.append(logprob)
+            spans = request.weight_spans
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] += 1
+            else:
+                n = len(request.token_ids)
+                spans.append({"version": version, "start": n - 1, "end": n})
             if token in self._eos:
                 request.finish = FinishReason.EOS
             elif (matched := request.stop.check(request.token_ids)) is not None:

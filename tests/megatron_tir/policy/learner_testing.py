@@ -55,3 +55,61 @@ def hf_logprobs(hf_dir: Path, tokens_BT: torch.Tensor, attention_mask_BT: torch.
             lp[b, s + 1:e] = logp[:-1].gather(1, tokens_BT[b, s + 1:e, None])[:, 0]
             ent[b, s + 1:e] = -(logp.exp() * logp).sum(-1)[:-1]
     return lp, ent
+
+
+def layout_run(rank: int, world: int, tp: int, pp: int, distributed_optimizer: bool, out: str,
+               with_engine: bool) -> None:
+    """On ``world`` ranks at ``tp`` x ``pp``: log-probs of batch 1, two Adam steps (token_mean, then
+    seq_mean), the exported HF weights; with ``with_engine`` the weights are synced into a
+    LocalEngine on rank 0 and its model's log-probs are recorded. Rank 0 saves all to ``out``."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(tp, pp)
+    learner = Learner(LearnerConfig(model="tiny-qwen2", tp=tp, pp=pp, lr=1e-4, max_tokens_per_microbatch=24,
+                                    distributed_optimizer=distributed_optimizer))
+    probe = make_batch(1)
+    lp, ent = learner.logprobs(probe.tokens_BT, probe.attention_mask_BT, temperature=0.7, with_entropy=True)
+    steps = [learner.train_step(make_batch(2), ppo_loss, aggregation="token_mean", with_entropy=True),
+             learner.train_step(make_batch(3), ppo_loss, aggregation="seq_mean")]
+    weights = {name: t.clone() for bucket in learner.hf_weights(1 << 20) for name, t in bucket}
+    result = {"logprobs": lp, "entropy": ent, "weights": weights,
+              "steps": [(s.loss, s.grad_norm, s.metrics["ratio"], s.skipped) for s in steps],
+              "after": learner.logprobs(probe.tokens_BT, probe.attention_mask_BT)}
+    if with_engine:
+        engine = None
+        if rank == 0:
+            from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+
+            engine = LocalEngine(LocalEngineConfig(model="tiny-qwen2", eos_token_ids=(0,)))
+        learner.sync_weights(engine, bucket_bytes=1 << 20)
+        if engine is not None:
+            result["engine_logprobs"] = _model_logprobs(engine.model, probe.tokens_BT, probe.attention_mask_BT)
+    if rank == 0:
+        torch.save(result, out)
+
+
+def _model_logprobs(model, tokens_BT, attention_mask_BT) -> torch.Tensor:
+    lp = torch.zeros(tokens_BT.shape)
+    with torch.no_grad():
+        for b in range(tokens_BT.shape[0]):
+            idx = attention_mask_BT[b].nonzero().flatten()
+            s, e = int(idx[0]), int(idx[-1]) + 1
+            logp = torch.log_softmax(model(tokens_BT[b:b + 1, s:e]).logits[0].float(), dim=-1)
+            lp[b, s + 1:e] = logp[:-1].gather(1, tokens_BT[b, s + 1:e, None])[:, 0]
+    return lp
+
+
+def logprobs_run(rank: int, world: int, model: str, tp: int, pp: int, ids: str, out: str) -> None:
+    """Log-probs of the saved ``(tokens, mask)`` at ``tp`` x ``pp``; rank 0 saves them."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(tp, pp)
+    learner = Learner(LearnerConfig(model=model, tp=tp, pp=pp))
+    tokens, mask = torch.load(ids)
+    lp = learner.logprobs(tokens, mask)
+    if rank == 0:
+        torch.save(lp, out)

@@ -13,15 +13,6 @@ from learner_testing import hf_logprobs, make_batch, ppo_loss
 from megatron_tir.policy.learner_config import LearnerConfig, TrainBatch
 
 
-@pytest.fixture(scope="module")
-def parallel_1x1():
-    from megatron_tir.policy.parallel import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
-
-
 def _learner(parallel_1x1, **kw):
     from megatron_tir.policy.learner import Learner
 
@@ -42,6 +33,7 @@ def test_logprobs_and_entropy_equal_transformers_tiny_qwen2(tiny_learner, temper
                                     with_entropy=True)
     ref_lp, ref_ent = hf_logprobs(resolve_model("tiny-qwen2"), batch.tokens_BT, batch.attention_mask_BT,
                                   temperature=temperature)
+    print(f"parity tiny-qwen2 tp1 T={temperature}: max |logp - transformers| = {(lp - ref_lp).abs().max():.2e}")
     assert lp.dtype == torch.float32 and lp.shape == batch.tokens_BT.shape
     assert (lp - ref_lp).abs().max() <= 1e-4 and (ent - ref_ent).abs().max() <= 1e-4
     assert (lp[~batch.attention_mask_BT] == 0).all() and (lp[:, 0] == 0).all() and lp[1, 2] == 0  # row starts
@@ -55,6 +47,7 @@ def test_logprobs_equal_transformers_smollm2(parallel_1x1, smollm2_dir):
     tokens, mask = ids.input_ids, ids.attention_mask.bool()
     lp = learner.logprobs(tokens, mask)
     ref, _ = hf_logprobs(smollm2_dir, tokens, mask)
+    print(f"parity smollm2 tp1: max |logp - transformers| = {(lp - ref).abs().max():.2e}")
     assert (lp - ref).abs().max() <= 1e-4
 
 
@@ -86,14 +79,15 @@ def test_logprobs_equal_the_local_engines_sampled_logprobs(tiny_learner, tempera
     for b, g in enumerate(gens):
         ours = lp[b, len(prompt):len(prompt) + len(g.token_ids)]
         ratio = torch.exp(ours - torch.tensor(g.logprobs))
+        print(f"parity local engine T={temperature} row {b}: max |ratio - 1| = {(ratio - 1).abs().max():.2e}")
         assert (ratio - 1).abs().max() <= 1e-4, (b, ratio)
 
 
-def _grads_and_step(learner, batch, aggregation, loss_fn=ppo_loss):
+def _grads_and_step(learner, batch, aggregation, loss_fn=ppo_loss, temperature=1.0):
     """One step's result and its gradients (DDP's main grads); the weights are put back."""
     params = dict(learner._model.module.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    result = learner.train_step(batch, loss_fn, aggregation=aggregation, with_entropy=True)
+    result = learner.train_step(batch, loss_fn, aggregation=aggregation, with_entropy=True, temperature=temperature)
     grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
     for n, p in params.items():
         p.data.copy_(before[n])
@@ -193,3 +187,28 @@ def test_bad_config_and_input_are_one_line_errors(tiny_learner):
     with pytest.raises(ValueError, match="extras"):
         TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
                    loss_mask_BT=batch.loss_mask_BT, extras={"x": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grad_norm_equals_transformers(tiny_learner, temperature):
+    """Loss -logp - 0.1 * entropy (token mean): the learner's grad norm equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tir.model_sources import resolve_model
+
+    batch = make_batch(8)
+    result, _ = _grads_and_step(tiny_learner, batch, "token_mean", lambda lp, ent, extras: (-lp - 0.1 * ent, {}),
+                                temperature=temperature)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32)
+    m = batch.loss_mask_BT
+    total = 0.0
+    for b in range(batch.tokens_BT.shape[0]):
+        idx = batch.attention_mask_BT[b].nonzero().flatten()
+        s, e = int(idx[0]), int(idx[-1]) + 1
+        logp = torch.log_softmax(hf(batch.tokens_BT[b:b + 1, s:e]).logits[0] / temperature, dim=-1)
+        lp = logp[:-1].gather(1, batch.tokens_BT[b, s + 1:e, None])[:, 0]
+        ent = -(logp.exp() * logp).sum(-1)[:-1]
+        total = total + ((-lp - 0.1 * ent) * m[b, s + 1:e]).sum()
+    (total / m.sum()).backward()
+    ref = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
+    assert result.grad_norm == pytest.approx(ref, rel=1e-4)

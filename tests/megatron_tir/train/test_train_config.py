@@ -58,6 +58,7 @@ def test_launcher_keys_in_any_order():
     ("rollout.prompt.mode=x", "rollout.prompt.mode: 'x' is not one of plain, chat"),
     ("engine.kind=sglang", "engine.kind=sglang: engine kind 'sglang' needs urls"),
     ("steps", "override 'steps' is not key=value"),
+    ("learner.model=x", "learner.model follows the top-level model; set model=x instead"),
 ])
 def test_bad_overrides_are_one_line_errors_naming_the_key(item, message):
     with pytest.raises(ValueError) as info:

@@ -64,6 +64,14 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     check_ok(p)
     assert (run / "plots" / "reward.png").is_file() and "reward.png" in p.stdout
 
+    # the policy of a run checkpoint exports to HF with tir-ckpt
+    hf = tmp_path / "hf"
+    p = subprocess.run([PY, "-m", "checkpoints_tools.cli", "megatron-to-hf", "--ckpt",
+                        str(run / "checkpoints" / "step_3" / "learner"), "--out", str(hf)], env=ENV,
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    check_ok(p)
+    assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
+
 
 def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
     """Step count, optimizer state, data position and RNG survive a resume: step 3 of a run
@@ -75,6 +83,20 @@ def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
     ma, mb = metrics(a), metrics(b)
     for key in ("train/loss", "train/grad_norm", "rollout/mean_response_tokens", "rollout/reward"):
         assert mb[3][key] == pytest.approx(ma[3][key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_filter_that_empties_the_batch_refills_then_skips_the_update(tmp_path):
+    """tiny-cpu's random policy earns no reward: every group has zero std, so dynamic sampling
+    samples the configured extra rounds, then the step skips the update and the run goes on."""
+    run = tmp_path / "run"
+    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.drop_zero_std=true",
+                 "--set", "trainer.max_sample_rounds=2", "--out", str(run)))
+    m = metrics(run)
+    for step in (1, 2):
+        assert m[step]["train/skipped_empty_batch"] == 1.0 and m[step]["filter/sample_rounds"] == 2.0
+        assert m[step]["filter/groups_zero_std"] == 4.0 and "train/grad_norm" not in m[step]
+    s = state(run)
+    assert s["step"] == 2 and s["data_position"] == 8  # 2 steps x 2 rounds x 2 prompts
 
 
 def test_killed_during_checkpoint_save_then_resumed(tmp_path):

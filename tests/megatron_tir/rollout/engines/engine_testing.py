@@ -19,3 +19,27 @@ def reference_logprobs(model, prompt_ids, token_ids, temperature: float) -> torc
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
     t = temperature if temperature > 0 else 1.0
     return torch.log_softmax(logits / t, dim=-1).gather(1, torch.tensor(token_ids)[:, None]).squeeze(1)
+
+
+def protocol_mismatches(cls: type, protocol: type) -> list[str]:
+    """How ``cls`` departs from ``protocol``'s methods: missing ones, sync vs async, and
+    signatures that differ in parameter names, kinds or defaults (annotations are not compared)."""
+    import inspect
+
+    problems = []
+    for name, member in vars(protocol).items():
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        impl = getattr(cls, name, None)
+        if impl is None:
+            problems.append(f"{cls.__name__}.{name} is missing")
+            continue
+        if inspect.iscoroutinefunction(impl) != inspect.iscoroutinefunction(member):
+            problems.append(f"{cls.__name__}.{name}: async/sync differs from the protocol")
+
+        def shape(fn):
+            return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+        if shape(impl) != shape(member):
+            problems.append(f"{cls.__name__}.{name}{inspect.signature(impl)} != protocol {inspect.signature(member)}")
+    return problems

@@ -1,207 +1,186 @@
-"""A stand-in SGLang HTTP server held to SGLang's own schema (a real server needs a GPU).
+"""A stand-in SGLang 0.5.23 HTTP server that behaves like the real one (a real server needs a GPU).
 
-Every request body is checked with the installed SGLang 0.5.x sources, never with a
-copy of them:
-  * ``/generate`` bodies with ``sglang/api/v1/api_types.py`` (``GenerateRequest``, the
-    same generated decoder the real server's contract gate runs; its ``SamplingParams``
-    rejects unknown keys);
-  * control endpoints with the field lists of the request classes in
-    ``sglang/srt/managers/io_struct.py`` (read with ``ast``: that module needs a GPU
-    stack to import);
-  * launcher argv with the CLI fields declared in ``sglang/srt/arg_groups/fields``.
-Answers are built as api_types structs and encoded with their ``to_json_value``.
+Schema: every body is checked with the installed SGLang sources (see sglang_schema.py);
+answers are api_types structs encoded with their ``to_json_value``. Generation is real:
+the backend is a LocalEngine over a tiny HF model. Run as a script it is a server process
+the launcher can start (``python fake_sglang.py --model-path DIR --port N ...``).
 
-Generation is real: the backend is a LocalEngine over a tiny HF model, so answers carry
-true sampled ids and log-probs. Run as a script it is a server process that the launcher
-can start (``python fake_sglang.py --model-path DIR --port N ...``) and that joins a
-weight-update group with SGLang's own ``init_custom_process_group`` (gloo on CPU).
+Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
+  1. weight-update session -- ``/update_weights_from_distributed`` and
+     ``/update_weights_from_tensor`` answer 400 ``success: false`` outside
+     ``/begin_weight_update`` .. ``/end_weight_update``; a second begin, or an end without
+     begin, is refused (``managers/scheduler_components/weight_updater.py``). An update
+     with ``flush_cache`` (the default) fails when requests are still running or queued.
+  2. EOS -- the server stops on its model's EOS ids and the request's
+     ``sampling_params.stop_token_ids`` only (``managers/schedule_batch.py``
+     ``_check_token_based_finish``; ``configs/model_config.py``); ``finish_reason`` is
+     ``{"type": "stop", "matched": <id>}``.
+  3. health -- ``/health`` is a generation probe: it sleeps 1 s, answers 200 when the probe
+     came back, and waits while generation is paused (``HEALTH_CHECK_TIMEOUT`` 20 s, then
+     503); with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` it answers 200 at once
+     (``entrypoints/http_server.py``, ``environ.py``). New ``/generate`` requests wait while
+     paused (``managers/tokenizer_manager.py``).
+  4. memory -- release asserts an idle scheduler (waiting requests ignored while the
+     scheduler is paused); resume with no tags resumes all tags and a tag not released
+     raises (``offload_tags.remove``); either failure kills the scheduler, and with it the
+     server (``managers/scheduler.py`` sends SIGQUIT). Without ``--enable-memory-saver``
+     nothing is freed (``utils/torch_memory_saver_adapter.py``).
+  5. flush -- ``/flush_cache`` answers 400 unless the scheduler is idle (a paused scheduler
+     ignores its waiting queue); right after an abort the scheduler still holds the batch
+     for ``abort_drain_s``. ``?timeout=S`` waits for a fully idle scheduler (waiting queue
+     included) up to S (``managers/scheduler_components/flush_wrapper.py``).
+  7. keep-alive -- idle connections are closed after 5 s (uvicorn ``timeout_keep_alive`` =
+     ``SGLANG_TIMEOUT_KEEP_ALIVE``).
+  8. process group -- ``/server_info`` reports ``tp_size`` and ``dp_size``; the weight
+     endpoints assert ``dp_size == 1`` (an AssertionError: HTTP 500); a join that cannot
+     succeed answers 400 ``Failed to initialize custom process group: ...``; IPv6 master
+     addresses are bracketed (``utils/network.py`` ``NetworkAddress.to_tcp``).
+Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
+every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
+a flush), so routing policies can be measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
-import functools
-import importlib.util
+import ipaddress
 import logging
+import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from sglang_schema import (
+    api_types,
+    check_io_struct,
+    server_cli_flags,
+    sglang_init_custom_process_group,
+)
+
 log = logging.getLogger("fake_sglang")
-
-
-# ---------------------------------------------------------------------- SGLang's own schema
-
-
-@functools.cache
-def sglang_root() -> Path:
-    spec = importlib.util.find_spec("sglang")  # a top-level spec: the package is not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("sglang is not installed (pip install --no-deps sglang==0.5.23)")
-    return Path(spec.submodule_search_locations[0])
-
-
-@functools.cache
-def api_types():
-    """sglang/api/v1/api_types.py loaded alone (it needs only msgspec)."""
-    path = sglang_root() / "api" / "v1" / "api_types.py"
-    spec = importlib.util.spec_from_file_location("sglang_api_v1_types", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.cache
-def _io_struct_classes() -> dict[str, ast.ClassDef]:
-    tree = ast.parse((sglang_root() / "srt" / "managers" / "io_struct.py").read_text())
-    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-@functools.cache
-def io_struct_fields(class_name: str) -> dict[str, tuple[str, bool]]:
-    """Field name -> (annotation source, required) of an io_struct request class, with its bases."""
-    classes = _io_struct_classes()
-    if class_name not in classes:
-        raise KeyError(f"{class_name} not in SGLang's io_struct.py")
-    fields: dict[str, tuple[str, bool]] = {}
-    node = classes[class_name]
-    for base in node.bases:
-        if isinstance(base, ast.Name) and base.id in classes:
-            fields.update(io_struct_fields(base.id))
-    for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            fields[stmt.target.id] = (ast.unparse(stmt.annotation), stmt.value is None)
-    return fields
-
-
-_JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
-
-
-def check_io_struct(class_name: str, body: Any) -> str | None:
-    """What is wrong with ``body`` as JSON for io_struct ``class_name`` (None when it fits)."""
-    if not isinstance(body, dict):
-        return f"{class_name}: body is not a JSON object"
-    fields = io_struct_fields(class_name)
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        return f"{class_name}: unknown field(s) {unknown}; SGLang has {sorted(fields)}"
-    missing = sorted(name for name, (_, required) in fields.items() if required and name not in body)
-    if missing:
-        return f"{class_name}: missing required field(s) {missing}"
-    for name, value in body.items():
-        annotation = fields[name][0]
-        optional = annotation.startswith("Optional[")
-        base = annotation[len("Optional["):-1] if optional else annotation
-        if value is None and optional:
-            continue
-        if base in _JSON_TYPES:
-            ok = isinstance(value, _JSON_TYPES[base]) and not (base != "bool" and isinstance(value, bool))
-            if not ok:
-                return f"{class_name}.{name}: {value!r} is not {annotation}"
-        elif base.startswith(("List[", "Annotated[List[")) and not isinstance(value, list):
-            return f"{class_name}.{name}: {value!r} is not a list ({annotation})"
-        elif base.startswith("Literal["):
-            allowed = tuple(ast.literal_eval(e) for e in ast.parse(base, mode="eval").body.slice.elts)
-            if value not in allowed:
-                return f"{class_name}.{name}: {value!r} not in {allowed}"
-    return None
-
-
-@functools.cache
-def server_cli_flags() -> frozenset[str]:
-    """The ``--flags`` SGLang's ServerArgs registers from its declared fields."""
-    flags: set[str] = set()
-    for path in sorted((sglang_root() / "srt" / "arg_groups" / "fields").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-                continue
-            ann = node.annotation
-            if not (isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "A"):
-                continue
-            meta = ann.slice.elts[1] if isinstance(ann.slice, ast.Tuple) and len(ann.slice.elts) > 1 else None
-            names = ["--" + node.target.id.replace("_", "-")]
-            if isinstance(meta, ast.Call) and getattr(meta.func, "id", None) == "Arg":
-                kw = {k.arg: k.value for k in meta.keywords}
-                if "no_cli" in kw and ast.literal_eval(kw["no_cli"]):
-                    continue
-                if "cli_name" in kw:
-                    names[0] = ast.literal_eval(kw["cli_name"])
-                if "aliases" in kw:
-                    names += list(ast.literal_eval(kw["aliases"]))
-            elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
-                continue
-            flags.update(names)
-    return frozenset(flags)
-
-
-@functools.cache
-def sglang_init_custom_process_group():
-    """SGLang's own ``init_custom_process_group`` (utils/common.py), compiled from its source."""
-    import torch
-
-    source = (sglang_root() / "srt" / "utils" / "common.py").read_text()
-    func = next(n for n in ast.parse(source).body
-                if isinstance(n, ast.FunctionDef) and n.name == "init_custom_process_group")
-    namespace: dict[str, Any] = {"torch": torch, "torch_release": tuple(
-        int(p) for p in torch.__version__.split("+")[0].split(".")[:2])}
-    exec(compile(ast.Module(body=[func], type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
-    return namespace["init_custom_process_group"]
-
-
-# ---------------------------------------------------------------------- the server
-
 
 DROP_CONNECTION = object()  # a /generate handler returns this to cut the connection without an answer
 GenerateHandler = Callable[[Any, dict], Awaitable[Any]]  # (GenerateRequest, raw body) -> struct | (status, dict)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # srt/constants.py GPU_MEMORY_ALL_TYPES
+KEEPALIVE_S = 5.0  # srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE
+HEALTH_CHECK_TIMEOUT_S = 20.0  # srt/entrypoints/http_server.py HEALTH_CHECK_TIMEOUT
+NOT_IN_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
 
-_CONTROL = {
-    "/flush_cache": None,
+_CONTROL = {  # POST path -> io_struct request class
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/abort_request": "AbortReq",
 }
+_DP_ASSERTED = ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+                "/update_weights_from_tensor")
+
+
+def tcp_address(host: str, port: int) -> str:
+    """``tcp://host:port``, IPv6 in brackets (srt/utils/network.py NetworkAddress.to_tcp)."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"tcp://{host}:{port}"
+
+
+class RadixCache:
+    """Prefix-cache model: a token trie of finished sequences (no eviction)."""
+
+    def __init__(self) -> None:
+        self.root: dict = {}
+
+    def match(self, ids: list[int]) -> int:
+        node, n = self.root, 0
+        for token in ids[: max(len(ids) - 1, 0)]:  # at least one token is computed
+            if token not in node:
+                break
+            node, n = node[token], n + 1
+        return n
+
+    def insert(self, ids: list[int]) -> None:
+        node = self.root
+        for token in ids:
+            node = node.setdefault(token, {})
+
+    def reset(self) -> None:
+        self.root = {}
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
 
 
 class FakeSGLangServer:
     """aiohttp app with SGLang's native endpoints; records every request and contract error."""
 
-    def __init__(self, generate: GenerateHandler, *, engine=None, join_weight_groups: bool = False) -> None:
+    def __init__(self, generate: GenerateHandler, *, engine=None, join_weight_groups: bool = False,
+                 tp_size: int = 1, dp_size: int = 1, enable_memory_saver: bool = False,
+                 health_generation: bool | None = None, init_failure: str | None = None,
+                 join_wait_s: float = 0.0, abort_drain_s: float = 0.3) -> None:
         self.generate_handler = generate
         self.engine = engine  # LocalEngine behind /generate, for pause / weights
-        self.join_weight_groups = join_weight_groups  # really join /init_weights_update_group (own process only)
+        self.join_weight_groups = join_weight_groups  # really join /init_weights_update_group (gloo; own process)
+        self.tp_size, self.dp_size, self.enable_memory_saver = tp_size, dp_size, enable_memory_saver
+        if health_generation is None:  # srt/environ.py EnvBool(True)
+            health_generation = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() not in (
+                "0", "false", "no", "off")
+        self.health_generation = health_generation
+        self.init_failure = init_failure  # a join that fails with this message
+        self.join_wait_s = join_wait_s  # without joining: how long the join call takes (a real one waits for all ranks)
+        self.abort_drain_s = abort_drain_s
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
-        self.healthy = True
-        self.memory_released: set[str] = set()
-        self.update_group = None
-        self.weight_version: str | None = None
+        self.healthy = True  # False: /health 503 at once (starting or shutting down)
+        self.crashed: str | None = None  # the scheduler died: the server is gone
+        self.is_pause = False  # tokenizer manager: new requests wait
+        self.scheduler_pause: str | None = None  # "retract" | "in_place" (abort does not pause the scheduler)
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self.in_scheduler = 0  # requests admitted and not finished
+        self.busy_until = 0.0  # after an abort the scheduler still holds the batch until then
+        self.session_open = False
+        self.flush_pending = False
+        self.memory_released: set[str] = set()  # offload_tags
+        self.memory_freed: set[str] = set()  # what the memory saver really freed
+        self.groups: dict[str, Any] = {}  # weight-update groups joined (None when not really joined)
+        self.weight_version = "default"  # srt/arg_groups/fields/serving.py
+        self._version_names = {"0": "default"}  # backend LocalEngine version -> announced weight_version
+        self.radix = RadixCache()
+        self.cached_tokens: list[tuple[int, int]] = []  # (cached, prompt) per /generate
         self.runner: web.AppRunner | None = None
         self.url = ""
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._gone_when_crashed])
         app.router.add_get("/health", self._health)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/fake_state", self._fake_state)  # the fake's own: what tests of a server process read
+        app.router.add_route("*", "/flush_cache", self._flush_cache)
         app.router.add_post("/generate", self._generate)
         for path in _CONTROL:
             app.router.add_post(path, self._control)
         self.app = app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.runner = web.AppRunner(self.app, access_log=None)
+        self.runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._site = web.TCPSite(self.runner, host, port)
+        await self._site.start()
+        self.port = self._site._server.sockets[0].getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         return self.url
 
@@ -209,12 +188,90 @@ class FakeSGLangServer:
         if self.runner is not None:
             await self.runner.cleanup()
 
+    # ------------------------------------------------------------------ scheduler state
+
+    def idle(self, *, ignore_waiting: bool) -> bool:
+        """scheduler.is_fully_idle: retracted requests wait in the queue, others run."""
+        if asyncio.get_running_loop().time() < self.busy_until:
+            return False
+        running = 0 if self.scheduler_pause == "retract" else self.in_scheduler
+        waiting = self.in_scheduler - running
+        return running == 0 and (ignore_waiting or waiting == 0)
+
+    def crash(self, request: web.Request, why: str) -> web.Response:
+        """The scheduler raised: SGLang's process tree exits (the request gets no answer)."""
+        log.error("scheduler crashed: %s", why)
+        self.crashed = why
+        self._site._server.close()  # new connections are refused
+        request.transport.abort()
+        return web.Response(status=500)
+
+    @web.middleware
+    async def _gone_when_crashed(self, request: web.Request, handler):
+        if self.crashed is not None:
+            request.transport.abort()
+            return web.Response(status=500)
+        return await handler(request)
+
     def _reject(self, message: str) -> web.Response:
         self.contract_errors.append(message)
         return web.json_response({"error": {"message": message}}, status=400)
 
+    # ------------------------------------------------------------------ endpoints
+
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
+        if not self.healthy:
+            return web.Response(status=503)
+        if not self.health_generation:
+            return web.Response(status=200)
+        loop = asyncio.get_running_loop()
+        tic = loop.time()
+        while loop.time() < tic + HEALTH_CHECK_TIMEOUT_S:
+            await asyncio.sleep(1)
+            if not self.is_pause:  # the one-token probe got through
+                return web.Response(status=200)
+        return web.Response(status=503)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self.requests.append(("/server_info", None))
+        return _json({"tp_size": self.tp_size, "dp_size": self.dp_size, "enable_memory_saver": self.enable_memory_saver,
+                      "weight_version": self.weight_version, "version": "0.5.23"})
+
+    async def _fake_state(self, request: web.Request) -> web.Response:
+        return _json({"paths": [p for p, _ in self.requests], "session_open": self.session_open,
+                      "is_pause": self.is_pause, "weight_version": self.weight_version,
+                      "memory_released": sorted(self.memory_released), "contract_errors": self.contract_errors})
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        try:
+            timeout = float(request.query.get("timeout", 0.0))
+            assert timeout >= 0
+        except (ValueError, AssertionError):
+            return _json({"detail": [{"loc": ["query", "timeout"], "msg": "must be >= 0"}]}, status=422)
+        self.requests.append(("/flush_cache", {"timeout": timeout}))
+        if self.flush_pending:
+            return web.Response(text="Another flush_cache is already in progress.", status=400)
+        ok = True
+        if timeout <= 0:
+            ok = self.idle(ignore_waiting=self.scheduler_pause is not None)
+            message = "Flush cache failed.\n"
+        else:
+            self.flush_pending = True
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            try:
+                while not self.idle(ignore_waiting=False):
+                    if loop.time() >= deadline:
+                        ok = False
+                        break
+                    await asyncio.sleep(0.01)
+            finally:
+                self.flush_pending = False
+            message = "Timed out waiting for idle state."
+        if not ok:
+            return web.Response(text=message, status=400)
+        self.radix.reset()
+        return web.Response(text="Cache flushed.\n")
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -222,98 +279,199 @@ class FakeSGLangServer:
         types = api_types()
         try:
             parsed = types.GenerateRequest.from_json_value(body)
-            if isinstance(parsed.sampling_params, dict):  # pragma: no cover - decoder returns structs
-                types.SamplingParams.from_json_value(parsed.sampling_params)
         except types.JsonContractError as exc:
             return self._reject(f"/generate: {exc}")
-        answer = await self.generate_handler(parsed, body)
+        await self._unpaused.wait()
+        cached = self.radix.match(list(parsed.input_ids))
+        self.in_scheduler += 1
+        try:
+            answer = await self.generate_handler(parsed, body)
+        finally:
+            self.in_scheduler -= 1
         if answer is DROP_CONNECTION:  # the connection dies after the request arrived
             request.transport.abort()
             return web.Response(status=200)
         if isinstance(answer, tuple):  # (status, raw JSON): deliberate failures in tests
             status, raw = answer
             return web.json_response(raw, status=status)
-        if self.weight_version is not None and answer.meta_info is not None:  # as set by the last weight update
+        self.radix.insert(list(parsed.input_ids) + list(answer.output_ids or [])[:-1])
+        self.cached_tokens.append((cached, len(parsed.input_ids)))
+        if answer.meta_info is not None:
             import msgspec
 
-            answer = msgspec.structs.replace(
-                answer, meta_info=msgspec.structs.replace(answer.meta_info, weight_version=self.weight_version))
+            spans = [msgspec.structs.replace(s, version=self._version_names.get(s.version, s.version))
+                     for s in answer.meta_info.weight_versions]
+            answer = msgspec.structs.replace(answer, meta_info=msgspec.structs.replace(
+                answer.meta_info, weight_version=self.weight_version, weight_versions=spans, cached_tokens=cached))
         return web.json_response(answer.to_json_value())
 
     async def _control(self, request: web.Request) -> web.Response:
         path = request.path
         body = await request.json() if request.can_read_body else {}
         self.requests.append((path, body))
-        if _CONTROL[path] is not None and (problem := check_io_struct(_CONTROL[path], body)):
+        log.info("POST %s", path)
+        if problem := check_io_struct(_CONTROL[path], body):
             return self._reject(problem)
-        handler = getattr(self, "_do_" + path.strip("/"), None)
-        if handler is not None:
-            answer = await handler(body)
-            if answer is not None:
-                return answer
-        if path in ("/init_weights_update_group", "/update_weights_from_distributed",
-                    "/update_weights_from_tensor", "/destroy_weights_update_group"):
-            return web.json_response({"success": True, "message": "ok"})
-        return web.json_response({"message": "ok", "status": "ok"})
+        if path in _DP_ASSERTED and self.dp_size != 1:  # tokenizer_control_mixin.py: assert dp_size == 1
+            return web.Response(text="Internal Server Error", status=500)
+        return await getattr(self, "_do_" + path.strip("/"))(request, body)
 
-    async def _do_pause_generation(self, body: dict) -> None:
+    async def _do_abort_request(self, request, body: dict) -> web.Response:
+        return web.Response(status=200)
+
+    async def _do_pause_generation(self, request, body: dict) -> web.Response:
+        from megatron_tir.rollout.engines.base import PauseMode
+
+        mode = body.get("mode", "abort")
+        self.is_pause = True
+        self._unpaused.clear()
+        if mode == "abort":
+            self.busy_until = asyncio.get_running_loop().time() + self.abort_drain_s
+        else:
+            self.scheduler_pause = mode
         if self.engine is not None:
-            await self.engine.pause(abort_in_flight=body.get("mode", "abort") == "abort")
+            await self.engine.pause(mode=PauseMode(mode))
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def _do_continue_generation(self, body: dict) -> None:
+    async def _do_continue_generation(self, request, body: dict) -> web.Response:
+        self.is_pause, self.scheduler_pause = False, None
         if self.engine is not None:
             await self.engine.resume()
+        self._unpaused.set()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def _do_release_memory_occupation(self, body: dict) -> None:
-        self.memory_released.update(body.get("tags") or ["weights", "kv_cache"])
+    async def _do_begin_weight_update(self, request, body: dict) -> web.Response:
+        if self.session_open:
+            return _json({"success": False, "message": "a weight-update session is already open; "
+                                                       "call end_weight_update() first"}, status=400)
+        self.session_open = True
+        return _json({"success": True, "message": "Success"})
 
-    async def _do_resume_memory_occupation(self, body: dict) -> None:
-        self.memory_released.difference_update(body.get("tags") or ["weights", "kv_cache"])
+    async def _do_end_weight_update(self, request, body: dict) -> web.Response:
+        if not self.session_open:
+            return _json({"success": False, "message": "no weight-update session is open; "
+                                                       "call begin_weight_update() first"}, status=400)
+        self.session_open = False
+        return _json({"success": True, "message": "Success"})
 
-    async def _do_init_weights_update_group(self, body: dict) -> web.Response | None:
+    def _after_update(self, body: dict, message: str) -> web.Response:
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {self.weight_version}."
+        if body.get("flush_cache", True):
+            if not self.idle(ignore_waiting=self.scheduler_pause is not None):
+                return _json({"success": False, "message": NOT_FLUSHED}, status=400)
+            self.radix.reset()
+        return _json({"success": True, "message": message})
+
+    async def _do_init_weights_update_group(self, request, body: dict) -> web.Response:
+        def failed(why: str) -> web.Response:
+            return _json({"success": False, "message": f"Failed to initialize custom process group: {why}."},
+                         status=400)
+
+        if self.init_failure is not None:
+            return failed(self.init_failure)
+        offset, world = body["rank_offset"], body["world_size"]
+        if offset < 1 or offset + self.tp_size > world:
+            return failed(f"ranks {offset}..{offset + self.tp_size - 1} do not fit world_size {world} "
+                          "(rank 0 is the trainer)")
+        group_name = body.get("group_name", "weight_update_group")
         if not self.join_weight_groups:
-            return None
-        init = sglang_init_custom_process_group()
-        loop = asyncio.get_running_loop()
-        self.update_group = await loop.run_in_executor(None, lambda: init(
-            backend=body.get("backend", "nccl"),
-            init_method=f"tcp://{body['master_address']}:{body['master_port']}",
-            world_size=body["world_size"], rank=body["rank_offset"],
-            group_name=body.get("group_name", "weight_update_group")))
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+            await asyncio.sleep(self.join_wait_s)
+            self.groups[group_name] = None
+            return _json({"success": True, "message": "Succeeded to initialize custom process group."})
+        assert self.tp_size == 1, "the fake joins with one TP rank"
+        import datetime
 
-    async def _do_update_weights_from_distributed(self, body: dict) -> web.Response | None:
+        def join():  # in its own process: c10d registers group names process-wide
+            return sglang_init_custom_process_group()(
+                backend=body.get("backend", "nccl"),
+                init_method=tcp_address(body["master_address"], body["master_port"]),
+                world_size=world, rank=offset, group_name=group_name, timeout=datetime.timedelta(seconds=60))
+
+        try:
+            self.groups[group_name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        except Exception as exc:  # noqa: BLE001 - answered like SGLang's weight updater
+            return failed(repr(exc))
+        return _json({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _do_destroy_weights_update_group(self, request, body: dict) -> web.Response:
+        group_name = body.get("group_name", "weight_update_group")
+        if group_name not in self.groups:
+            return _json({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
+        group = self.groups.pop(group_name)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+        return _json({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def _do_update_weights_from_distributed(self, request, body: dict) -> web.Response:
         import torch
         import torch.distributed as dist
 
-        if not self.join_weight_groups:
-            return None
-        if self.update_group is None:
-            return web.json_response({"success": False, "message": "no weight update group"}, status=400)
+        if not self.session_open:
+            return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_distributed")},
+                         status=400)
+        group_name = body.get("group_name", "weight_update_group")
+        if group_name not in self.groups:
+            return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
+                                                       f"{list(self.groups)}."}, status=400)
+        group = self.groups[group_name]
+        if group is not None:
+            def receive():
+                received = []
+                for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.broadcast(tensor, src=0, group=group)
+                    received.append((name, tensor))
+                return received
 
-        def receive():
-            received = []
-            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                dist.broadcast(tensor, src=0, group=self.update_group)
-                received.append((name, tensor))
-            return received
+            received = await asyncio.get_running_loop().run_in_executor(None, receive)
+            try:
+                await self.engine.update_weights(received)
+            except ValueError as exc:
+                return _json({"success": False, "message": str(exc)}, status=400)
+            self._version_names[str(self.engine.weight_version)] = body.get("weight_version") or self.weight_version
+        return self._after_update(body, "Succeeded to update parameter online.")
 
-        received = await asyncio.get_running_loop().run_in_executor(None, receive)
-        try:
-            await self.engine.update_weights(received)
-        except ValueError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+    async def _do_update_weights_from_tensor(self, request, body: dict) -> web.Response:
+        if not self.session_open:
+            return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_tensor")},
+                         status=400)
+        if len(body["serialized_named_tensors"]) < self.tp_size:  # tp_worker.deserialize_own_rank: [tp_rank]
+            return self.crash(request, "IndexError: list index out of range (serialized_named_tensors)")
+        return self._after_update(body, "Success")
+
+    async def _do_release_memory_occupation(self, request, body: dict) -> web.Response:
+        if not self.idle(ignore_waiting=self.scheduler_pause is not None):
+            return self.crash(request, "release_memory_occupation should be called only when server is idle.")
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        self.memory_released.update(tags)
+        if self.enable_memory_saver:
+            self.memory_freed.update(tags)
+        return _json(None)
+
+    async def _do_resume_memory_occupation(self, request, body: dict) -> web.Response:
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        missing = [t for t in tags if t not in self.memory_released]
+        if missing:
+            return self.crash(request, f"KeyError: {missing[0]!r} (offload_tags.remove)")
+        self.memory_released.difference_update(tags)
+        self.memory_freed.difference_update(tags)
+        return _json(None)
 
 
 # ---------------------------------------------------------------------- a real backend
 
 
 def local_engine_handler(engine) -> GenerateHandler:
-    """Serve /generate with a LocalEngine, answering with api_types structs like SGLang does."""
+    """Serve /generate with a LocalEngine, answering with api_types structs like SGLang does.
+
+    The LocalEngine stops on the model's EOS ids; a request's ``stop_token_ids`` end it at
+    the first such id (sampling is causal and per-request seeded, so cutting there is what
+    stopping there would have produced).
+    """
     from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
 
     types = api_types()
@@ -324,24 +482,57 @@ def local_engine_handler(engine) -> GenerateHandler:
         params = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                 top_k=sp.top_k, stop=tuple(stop), seed=sp.sampling_seed)
         out = await engine.generate(req.input_ids, params)
-        if out.finish_reason is FinishReason.STOP:
+        ids, logprobs, reason = list(out.token_ids), list(out.logprobs), out.finish_reason
+        stop_ids = set(sp.stop_token_ids or ())
+        cut = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+        if cut is not None and not (reason is FinishReason.EOS and cut == len(ids) - 1):
+            ids, logprobs, reason = ids[: cut + 1], logprobs[: cut + 1], FinishReason.EOS
+        if reason is FinishReason.STOP:
             finish = types.FinishStop(matched=out.matched_stop)
-        elif out.finish_reason is FinishReason.EOS:
-            finish = types.FinishStop(matched=out.token_ids[-1])
-        elif out.finish_reason is FinishReason.LENGTH:
-            finish = types.FinishLength(length=len(out.token_ids))
+        elif reason is FinishReason.EOS:
+            finish = types.FinishStop(matched=ids[-1])
+        elif reason is FinishReason.LENGTH:
+            finish = types.FinishLength(length=len(ids))
         else:
-            finish = types.FinishAbort(message="Abort before prefill" if not out.token_ids else "Aborted")
+            finish = types.FinishAbort(message="Abort before prefill" if not ids else "Aborted")
+        spans = [types.WeightVersionSpan(version=s["version"], start=s["start"], end=min(s["end"], len(ids)))
+                 for s in out.meta.get("weight_versions", []) if s["start"] < len(ids)]
         meta = types.GenerateMetaInfo(
-            id=req.rid or "", prompt_tokens=len(req.input_ids), completion_tokens=len(out.token_ids),
-            finish_reason=finish,
+            id=req.rid or "", prompt_tokens=len(req.input_ids), completion_tokens=len(ids), finish_reason=finish,
             output_token_logprobs=[types.LogprobEntry(logprob=lp, token_id=t, text=None)
-                                   for t, lp in zip(out.token_ids, out.logprobs)],
-            weight_version=str(out.meta.get("weight_version", 0)))
-        return types.GenerateResponse(text=engine.tokenizer.decode(out.token_ids), meta_info=meta,
-                                      output_ids=list(out.token_ids))
+                                   for t, lp in zip(ids, logprobs)],
+            weight_versions=spans)
+        return types.GenerateResponse(text=engine.tokenizer.decode(ids), meta_info=meta, output_ids=ids)
 
     return handle
+
+
+def serve_in_thread(make: Callable[[], FakeSGLangServer], port: int = 0) -> tuple[FakeSGLangServer, Callable[[], None]]:
+    """A fake on its own event loop in a daemon thread (its timers run while the caller's loop
+    is blocked); returns the started server and a function that stops it."""
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+        server = make()
+        loop.run_until_complete(server.start(port=port))
+        box["server"] = server
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(server.stop())
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30), "fake server did not start"
+
+    def stop() -> None:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        thread.join(10)
+
+    return box["server"], stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--enable-memory-saver", action="store_true")
     args, _ = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fake_sglang %(message)s")
 
@@ -363,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
         engine = LocalEngine(LocalEngineConfig(model=args.model_path, seed=args.random_seed, torch_threads=1))
-        server = FakeSGLangServer(local_engine_handler(engine), engine=engine, join_weight_groups=True)
+        server = FakeSGLangServer(local_engine_handler(engine), engine=engine, join_weight_groups=True,
+                                  enable_memory_saver=args.enable_memory_saver)
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()

@@ -1,4 +1,4 @@
-"""GPU checks (opt-in: ``pytest -m gpu``): a real SGLang server and the local engine on CUDA.
+"""GPU checks (opt-in: ``pytest -m gpu``): a real SGLang server, its weight sync, the local engine on CUDA.
 
 Needs ``sglang[srt]`` and a CUDA GPU. The model defaults to the embedded SmolLM2-135M;
 set MEGATRON_TIR_GPU_MODEL to an HF directory to use another one.
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-from engine_testing import run
-
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+
+from engine_testing import run
 
 pytestmark = pytest.mark.gpu
 
@@ -46,11 +46,14 @@ def _teacher_forced_logprobs(model, prompt, tokens, temperature):
 
 def test_real_sglang_server_logprobs_match_a_forward_pass(gpu_model_dir, tmp_path):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="needs sglang[srt]")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
-    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
-    from megatron_tir.rollout.engines.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_tir.rollout.engines.sglang import (
+        SGLangEngine,
+        SGLangEngineConfig,
+        SGLangServer,
+        SGLangServerConfig,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gpu_model_dir)
     prompts = [tok("def fibonacci(n):").input_ids, tok("The capital of France is").input_ids]
@@ -82,9 +85,8 @@ def test_real_sglang_server_logprobs_match_a_forward_pass(gpu_model_dir, tmp_pat
 
 
 def test_local_engine_on_cuda_matches_a_forward_pass(gpu_model_dir):
-    from transformers import AutoModelForCausalLM
-
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+    from transformers import AutoModelForCausalLM
 
     async def main():
         engine = LocalEngine(LocalEngineConfig(model=str(gpu_model_dir), device="cuda", max_batch_size=4))
@@ -99,3 +101,90 @@ def test_local_engine_on_cuda_matches_a_forward_pass(gpu_model_dir):
     for prompt, out in zip(prompts, outs):
         ref = _teacher_forced_logprobs(model, prompt, out.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=2e-3, rtol=0)
+
+
+def _checksums_in_child(payload: str) -> list[tuple[str, float]]:
+    """Open a tensor payload the way an SGLang TP rank does (another process)."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return [(name, float(tensor.double().sum())) for name, tensor in MultiprocessingSerializer.deserialize(payload)]
+
+
+def test_tensor_payloads_open_in_another_process(gpu_model_dir):
+    pytest.importorskip("sglang.srt.utils.patch_torch", reason="needs sglang[srt]")
+    import multiprocessing
+
+    from megatron_tir.policy.weight_sync import serialize_for_tp_ranks
+
+    bucket = [("a", torch.randn(4, 3, device="cuda")), ("b", torch.arange(5, device="cuda", dtype=torch.bfloat16))]
+    payloads = serialize_for_tp_ranks(bucket, 2)
+    assert len(payloads) == 2 and all(isinstance(p, str) for p in payloads)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = [pool.apply(_checksums_in_child, (p,)) for p in payloads]
+    want = [(name, float(t.double().sum())) for name, t in bucket]
+    for sums in got:
+        assert [n for n, _ in sums] == ["a", "b"]
+        assert [s for _, s in sums] == pytest.approx([s for _, s in want], rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["distributed", "tensor"])
+def test_real_server_generate_pause_sync_resume_generate(gpu_model_dir, tmp_path, path):
+    """generate -> (pause, sync, resume: one send) -> generate answers like the new weights."""
+    pytest.importorskip("sglang.srt.entrypoints.http_server", reason="needs sglang[srt]")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_tir.policy.weight_sync import (
+        DistributedWeightSync,
+        DistributedWeightSyncConfig,
+        TensorWeightSync,
+        buckets_of,
+    )
+    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
+    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer, SGLangServerConfig
+
+    two_gpus = torch.cuda.device_count() >= 2  # NCCL needs one GPU per rank; gloo stages through the host
+    backend = "nccl" if two_gpus else "gloo"
+    server_gpu = 1 if two_gpus and path == "distributed" else 0  # the tensor path shares the trainer's GPU
+    cfg = SGLangServerConfig(model_path=str(gpu_model_dir), port=_free_port(), dtype="bfloat16",
+                             mem_fraction_static=0.3, random_seed=0, base_gpu_id=server_gpu,
+                             log_file=str(tmp_path / "sglang.log"))
+    tok = AutoTokenizer.from_pretrained(gpu_model_dir)
+    prompt = tok("def fibonacci(n):").input_ids
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    original = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    updated = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.mul_(1.0 + 0.3 * torch.randn_like(p))
+    on_cuda = path == "tensor" or backend == "nccl"
+    weights = [(n, t if on_cuda else t.cpu()) for n, t in updated.state_dict().items()]
+
+    async def main():
+        config = SGLangEngineConfig(server_urls=(cfg.url,), eos_token_ids=resolve_eos_token_ids(gpu_model_dir))
+        async with SGLangEngine(config) as engine:
+            before = await engine.generate(prompt, greedy)
+            if path == "distributed":
+                sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
+                    master_address="127.0.0.1", master_port=_free_port(), backend=backend, timeout_s=300))
+                await sync.connect()
+            else:
+                sync = TensorWeightSync(engine)
+            await sync.send(buckets_of(weights, 256 << 20), weight_version="1")
+            after = await engine.generate(prompt, greedy)
+            if path == "distributed":
+                await sync.close()
+            return before, after
+
+    with SGLangServer(cfg) as server:
+        server.wait_healthy(timeout_s=600)
+        before, after = run(main(), timeout=600)
+
+    assert after.meta["weight_version"] == "1"
+    for out, model, other in ((before, original, updated), (after, updated, original)):
+        ref = _teacher_forced_logprobs(model, prompt, out.token_ids, 1.0)
+        wrong = _teacher_forced_logprobs(other, prompt, out.token_ids, 1.0)
+        assert (torch.tensor(out.logprobs) - ref).abs().mean() < 0.05
+        assert (torch.tensor(out.logprobs) - wrong).abs().mean() > 0.2  # the weights really differ

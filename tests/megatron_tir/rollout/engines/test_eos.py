@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
 
 

@@ -6,11 +6,16 @@ import asyncio
 
 import pytest
 import torch
-from engine_testing import reference_logprobs, run
+from megatron_tir.rollout.engines.base import (
+    FinishReason,
+    GenerationEngine,
+    PauseMode,
+    SamplingParams,
+)
+from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 from transformers import AutoModelForCausalLM
 
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
-from megatron_tir.rollout.engines.local import LocalEngineConfig
+from engine_testing import protocol_mismatches, reference_logprobs, run
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:", "x"]
 
@@ -27,13 +32,10 @@ def first_stop_index(tokenizer, token_ids, stop):
     return None
 
 
-def test_engine_satisfies_protocol(make_engine, tiny_llama):
-    async def main():
-        engine = make_engine(tiny_llama)
-        assert isinstance(engine, GenerationEngine)
-        await engine.close()
-
-    run(main())
+def test_engine_matches_the_protocol_signatures(make_engine, tiny_llama):
+    assert protocol_mismatches(LocalEngine, GenerationEngine) == []
+    engine = make_engine(tiny_llama)
+    assert isinstance(engine.eos_token_ids, tuple) and engine.eos_token_ids
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -279,7 +281,7 @@ def test_pause_holds_in_flight_and_resume_continues_identically(make_engine, tin
 
         task = asyncio.create_task(engine.generate(prompt, params))
         await asyncio.sleep(0.05)
-        await engine.pause()
+        await engine.pause(mode=PauseMode.IN_PLACE)
         late = asyncio.create_task(engine.generate(prompt, params))  # queued while paused
         await asyncio.sleep(0.3)
         held = not task.done() and not late.done()
@@ -302,7 +304,7 @@ def test_pause_with_abort_returns_partial_generations(make_engine, tiny_llama):
         reference = await engine.generate(prompt, SamplingParams(max_new_tokens=200, seed=8))
         task = asyncio.create_task(engine.generate(prompt, params))
         await asyncio.sleep(0.1)
-        await engine.pause(abort_in_flight=True)
+        await engine.pause(mode=PauseMode.ABORT)
         aborted = await task
         await engine.resume()
         again = await engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=8))
@@ -317,13 +319,56 @@ def test_pause_with_abort_returns_partial_generations(make_engine, tiny_llama):
     assert again.token_ids == reference.token_ids[:3]
 
 
+def test_pause_retract_recomputes_the_cache_and_continues_identically(make_engine, tiny_llama):
+    """Retract drops the KV cache; on resume prompt + generated ids are prefilled again."""
+    async def main():
+        engine = make_engine(tiny_llama, eos_token_ids=(0,))
+        prompt = encode(engine, PROMPTS[2])
+        params = SamplingParams(max_new_tokens=60, seed=5)
+        reference = await engine.generate(prompt, params)
+        task = asyncio.create_task(engine.generate(prompt, params))
+        await asyncio.sleep(0.1)
+        await engine.pause(mode=PauseMode.RETRACT)
+        held_without_cache = not task.done() and engine._batch.cache is None and len(engine._queue) == 1
+        partial = len(engine._queue[0].token_ids)
+        await engine.resume()
+        out = await task
+        await engine.close()
+        return reference, held_without_cache, partial, out
+
+    reference, held_without_cache, partial, out = run(main())
+    assert held_without_cache and 0 < partial < 60
+    assert out.token_ids == reference.token_ids and out.finish_reason is FinishReason.LENGTH
+    assert out.logprobs == pytest.approx(reference.logprobs, abs=1e-4)  # re-prefilled: batched vs stepwise
+    assert out.meta["weight_versions"] == [{"version": "0", "start": 0, "end": 60}]
+
+
+def test_retract_across_a_weight_update_records_both_versions(make_engine, tiny_llama):
+    async def main():
+        engine = make_engine(tiny_llama, eos_token_ids=(0,))
+        prompt = encode(engine, PROMPTS[0])
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=80, seed=1)))
+        await asyncio.sleep(0.1)
+        await engine.pause(mode=PauseMode.RETRACT)
+        split = len(engine._queue[0].token_ids)
+        await engine.update_weights([("model.norm.weight", torch.full((64,), 2.0))])
+        await engine.resume()
+        out = await task
+        await engine.close()
+        return split, out
+
+    split, out = run(main())
+    assert out.meta["weight_versions"] == [{"version": "0", "start": 0, "end": split},
+                                           {"version": "1", "start": split, "end": 80}]
+
+
 def test_weight_update_while_paused_is_reported_in_meta(make_engine, tiny_llama):
     async def main():
         engine = make_engine(tiny_llama, eos_token_ids=(0,))
         prompt = encode(engine, PROMPTS[0])
         task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=80, seed=1)))
         await asyncio.sleep(0.05)
-        await engine.pause()
+        await engine.pause(mode=PauseMode.IN_PLACE)
         await engine.update_weights([("model.norm.weight", torch.full((64,), 2.0))])
         await engine.resume()
         out = await task

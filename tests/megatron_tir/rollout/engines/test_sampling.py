@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from megatron_tir.rollout.engines.sampling import sample_tokens
 
 

@@ -9,13 +9,13 @@ be compared with the local engine's for the same seeds.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
-from engine_testing import run
-from fake_sglang import DROP_CONNECTION, FakeSGLangServer, api_types, local_engine_handler
-
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import (
+    FinishReason,
+    GenerationEngine,
+    SamplingParams,
+)
 from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
     SGLangEngineConfig,
@@ -24,36 +24,14 @@ from megatron_tir.rollout.engines.sglang import (
     parse_generate_response,
 )
 
-EOS = (0,)
+from engine_testing import protocol_mismatches, run
+from fake_sglang import DROP_CONNECTION, FakeSGLangServer, local_engine_handler
+from sglang_schema import api_types
+from sglang_testing import EOS, canned_response, client, free_port, scripted
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def client(urls, **overrides) -> SGLangEngine:
-    overrides.setdefault("health_check_interval_s", 0)
-    overrides.setdefault("retry_backoff_s", 0)
-    return SGLangEngine(SGLangEngineConfig(server_urls=tuple(urls), eos_token_ids=EOS, **overrides))
-
-
-def scripted(answer):
-    """A /generate handler that answers from a function of the parsed request."""
-    async def handle(req, body):
-        return answer(req) if callable(answer) else answer
-    return handle
-
-
-def canned_response(req, *, ids=(5, 6, 7), finish=None):
-    types = api_types()
-    finish = finish or types.FinishLength(length=len(ids))
-    meta = types.GenerateMetaInfo(id=req.rid, prompt_tokens=len(req.input_ids), completion_tokens=len(ids),
-                                  finish_reason=finish,
-                                  output_token_logprobs=[types.LogprobEntry(logprob=-0.5 * (i + 1), token_id=t)
-                                                         for i, t in enumerate(ids)])
-    return types.GenerateResponse(text="", meta_info=meta, output_ids=list(ids))
+def test_engine_matches_the_protocol_signatures():
+    assert protocol_mismatches(SGLangEngine, GenerationEngine) == []
 
 
 # ---------------------------------------------------------------------- wire format
@@ -136,7 +114,6 @@ def test_sglang_engine_matches_the_local_engine_through_the_schema(make_engine, 
         servers = [FakeSGLangServer(local_engine_handler(b), engine=b) for b in backends]
         urls = [await s.start() for s in servers]
         async with client(urls) as engine:
-            assert isinstance(engine, GenerationEngine)
             got = await asyncio.gather(*(engine.generate(p, sp) for p, (_, sp) in zip(prompts, specs)))
         for s, b in zip(servers, backends):
             await s.stop()
@@ -260,7 +237,7 @@ def test_least_in_flight_routing():
 
 def test_health_checks_take_servers_out_and_bring_them_back():
     async def main():
-        a, b = FakeSGLangServer(scripted(canned_response)), FakeSGLangServer(scripted(canned_response))
+        a, b = (FakeSGLangServer(scripted(canned_response), health_generation=False) for _ in range(2))
         urls = [await a.start(), await b.start()]
         async with client(urls, health_check_interval_s=0.05) as engine:
             a.healthy = False
@@ -287,20 +264,25 @@ def test_health_checks_take_servers_out_and_bring_them_back():
 
 def test_control_calls_follow_io_struct_schema():
     async def main():
-        servers = [FakeSGLangServer(scripted(canned_response)) for _ in range(2)]
+        servers = [FakeSGLangServer(scripted(canned_response), tp_size=2, enable_memory_saver=True)
+                   for _ in range(2)]
         urls = [await s.start() for s in servers]
         async with client(urls, tp_size=2) as engine:
             await engine.pause(mode="in_place")
             await engine.resume()
             await engine.flush_cache()
+            await engine.pause(mode="retract")
             await engine.release_memory_occupation(["kv_cache"])
             released = [set(s.memory_released) for s in servers]
             await engine.resume_memory_occupation()
+            await engine.resume()
             world = await engine.init_weights_update_group(master_address="10.0.0.1", master_port=29500,
                                                            group_name="g", backend="nccl")
+            await engine.begin_weight_update()
             await engine.update_weights_from_distributed(names=["model.norm.weight"], dtypes=["bfloat16"],
                                                          shapes=[[64]], group_name="g", weight_version="3")
-            await engine.update_weights_from_tensor(["YWJj", "ZGVm"], weight_version="3")
+            await engine.update_weights_from_tensor([["YWJj", "ZGVm"]] * 2, weight_version="3")
+            await engine.end_weight_update()
             await engine.destroy_weights_update_group("g")
             with pytest.raises(ValueError, match="pause mode"):
                 await engine.pause(mode="freeze")
@@ -315,9 +297,11 @@ def test_control_calls_follow_io_struct_schema():
     offsets = sorted(b["rank_offset"] for s in servers for p, b in s.requests if p == "/init_weights_update_group")
     assert offsets == [1, 3]
     paths = [p for p, _ in servers[0].requests]
-    assert paths == ["/pause_generation", "/continue_generation", "/flush_cache", "/release_memory_occupation",
-                     "/resume_memory_occupation", "/init_weights_update_group", "/update_weights_from_distributed",
-                     "/update_weights_from_tensor", "/destroy_weights_update_group"]
+    assert paths == ["/pause_generation", "/continue_generation", "/flush_cache", "/pause_generation",
+                     "/server_info", "/release_memory_occupation", "/resume_memory_occupation",
+                     "/continue_generation", "/init_weights_update_group", "/begin_weight_update",
+                     "/update_weights_from_distributed", "/update_weights_from_tensor", "/end_weight_update",
+                     "/destroy_weights_update_group"]
 
 
 def test_a_failing_control_call_names_the_server():
@@ -395,7 +379,7 @@ def test_bad_calls_are_clear_errors():
                 await engine.generate("hi", SamplingParams(max_new_tokens=1))
             with pytest.raises(TypeError, match="SamplingParams"):
                 await engine.generate([1], {"max_new_tokens": 1})
-            with pytest.raises(RuntimeError, match="attach_weight_sync"):
+            with pytest.raises(RuntimeError, match="weight_sync"):
                 await engine.update_weights([])
 
     run(main())

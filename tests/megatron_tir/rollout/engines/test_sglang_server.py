@@ -14,18 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_testing import reference_logprobs, run
-from fake_sglang import server_cli_flags
-from transformers import AutoModelForCausalLM
-
-from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-from megatron_tir.rollout.engines.sglang import (
+from megatron_tir.policy.weight_sync import (
     DistributedWeightSync,
     DistributedWeightSyncConfig,
+    buckets_of,
+)
+from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
     SGLangEngineConfig,
+    SGLangServer,
+    SGLangServerConfig,
 )
-from megatron_tir.rollout.engines.sglang_server import SGLangServer, SGLangServerConfig
+from transformers import AutoModelForCausalLM
+
+from engine_testing import reference_logprobs, run
+from sglang_schema import server_cli_flags
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang.py")
 
@@ -93,12 +97,12 @@ def test_launch_generate_broadcast_weights_and_stop(tmp_path, tiny_qwen2):
         async with engine:
             await engine.wait_healthy(timeout_s=5)
             before = await engine.generate(prompt, params)
-            sync = DistributedWeightSync(DistributedWeightSyncConfig(
-                master_address="127.0.0.1", master_port=free_port(), backend="gloo", bucket_bytes=64 << 10,
-                timeout_s=60))
-            await sync.connect(engine)
-            await engine.update_weights(new_weights)
+            sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
+                master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60))
+            await sync.connect()
+            await sync.send(buckets_of(new_weights, 64 << 10), weight_version="1")
             after = await engine.generate(prompt, params)
+            await sync.close()
         return before, after
 
     with SGLangServer(cfg) as server:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-
 from megatron_tir.rollout.engines.stop import StopStringMatcher
+from transformers import AutoTokenizer
 
 TEXT = (
     "Let me compute it.\n```python\nimport math\nprint(math.comb(10, 3))\n```\n"

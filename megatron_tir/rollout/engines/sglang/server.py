@@ -3,6 +3,13 @@
 Flag names follow SGLang 0.5.x ``ServerArgs`` (``sglang/srt/arg_groups/fields``): the
 CLI name of a field is ``--`` + its name in kebab case (``tp_size`` -> ``--tp-size``).
 The tests check every flag built here against the installed SGLang's declared fields.
+
+A colocated server (it shares its GPUs with trainer ranks and gives its memory back during
+training) runs with ``--enable-memory-saver``: without it ``/release_memory_occupation``
+frees nothing. ``health_generation_probe=False`` launches with
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` (``srt/environ.py``): ``/health`` then
+answers 200 at once instead of running a one-token generation (which sleeps ~1 s and
+waits while generation is paused).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ class SGLangServerConfig:
     dtype: str = "auto"
     context_length: int | None = None
     random_seed: int | None = None
-    enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
+    colocated: bool = False  # shares GPUs with the trainer: turns the memory saver on
+    enable_memory_saver: bool | None = None  # needed by release/resume_memory_occupation; None: = colocated
+    health_generation_probe: bool = True  # False: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0
     enable_deterministic_inference: bool = False  # needed for SamplingParams.seed (sampling_seed) to take effect
     skip_server_warmup: bool = False
     log_level: str = "info"
@@ -61,6 +70,10 @@ class SGLangServerConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if not self.launcher:
             raise ValueError("launcher is empty")
+        if self.colocated and self.enable_memory_saver is False:
+            raise ValueError("a colocated server needs enable_memory_saver (release would free nothing)")
+        if self.enable_memory_saver is None:
+            self.enable_memory_saver = self.colocated
 
     @property
     def url(self) -> str:
@@ -84,6 +97,13 @@ class SGLangServerConfig:
         if self.skip_server_warmup:
             args.append("--skip-server-warmup")
         return args + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: this process's, plus the health-probe switch."""
+        env = dict(os.environ)
+        if not self.health_generation_probe:
+            env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+        return env
 
 
 class SGLangServer:
@@ -110,11 +130,15 @@ class SGLangServer:
             out = self._log
         # Own session: stop() signals the server and every worker process it spawned.
         self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        start_new_session=True)
+                                        env=self.config.env(), start_new_session=True)
         return self
 
-    def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> None:
-        """Poll ``GET /health`` until 200; RuntimeError if the process exits or time runs out."""
+    def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0, probe_timeout_s: float = 30.0) -> None:
+        """Poll ``GET /health`` until 200; RuntimeError if the process exits or time runs out.
+
+        One probe may take ``probe_timeout_s``: SGLang's ``/health`` sleeps ~1 s before it
+        answers (up to 20 s, ``SGLANG_HEALTH_CHECK_TIMEOUT``, when the server is stuck).
+        """
         if self.process is None:
             raise RuntimeError("start() the server first")
         deadline = time.monotonic() + timeout_s
@@ -124,7 +148,7 @@ class SGLangServer:
             if code is not None:
                 raise RuntimeError(f"SGLang server exited with code {code} before it was healthy{self._log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=poll_s * 5) as response:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=probe_timeout_s) as response:
                     if response.status == 200:
                         log.info("SGLang server %s is healthy", self.url)
                         return

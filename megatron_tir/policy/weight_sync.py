@@ -1,0 +1,283 @@
+"""Trainer-side weight sync to SGLang servers: the trainer drives the client's control endpoints.
+
+One sync, in SGLang 0.5.23's order (``srt/managers/scheduler_components/weight_updater.py``
+refuses weight updates outside a begin/end session; ``/flush_cache`` refuses while the
+scheduler holds requests):
+
+    pause (abort or retract) -> begin_weight_update -> buckets (flush_cache: false)
+      -> end_weight_update -> flush_cache (retried while the scheduler drains) -> resume
+
+The session is ended and generation resumed on failure too, and the error re-raised.
+
+:class:`DistributedWeightSync` broadcasts over a process group the servers join
+(``/init_weights_update_group``; NCCL on GPUs, gloo in the CPU tests): rank 0 is this
+trainer rank, the servers' TP ranks follow. Before building it every server's
+``/server_info`` must show ``dp_size`` 1 (SGLang asserts it) and a ``tp_size``, which
+sets the rank offsets. :class:`TensorWeightSync` is the colocated path (the server shares
+this rank's GPUs): CUDA IPC handles, one serialized payload per server TP rank.
+
+Both take ``buckets``: an iterable of lists of ``(HF name, full tensor)``, e.g.
+``Learner.hf_weights(bucket_bytes)``; each bucket is one ``/update_weights_*`` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ipaddress
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from megatron_tir.rollout.engines.base import PauseMode
+from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_tir.rollout.engines.sglang.client import SGLangEngine
+
+log = logging.getLogger(__name__)
+
+Bucket = list[tuple[str, "torch.Tensor"]]
+SYNC_PAUSE_MODES = (PauseMode.ABORT, PauseMode.RETRACT)  # IN_PLACE keeps requests running: no flush
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedWeightSyncConfig:
+    master_address: str  # this trainer rank's address, reachable from the servers (IPv4, IPv6 or a name)
+    master_port: int
+    group_name: str = "megatron_tir_weights"
+    backend: str = "nccl"  # gloo works on CPU (tests)
+    timeout_s: float = 600.0  # joining the group; one broadcast
+    pause_mode: PauseMode = PauseMode.ABORT  # what a sync does with requests in flight
+
+    def __post_init__(self) -> None:
+        if not self.master_address:
+            raise ValueError("master_address is empty")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if not self.group_name:
+            raise ValueError("group_name is empty")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self.pause_mode = as_pause_mode(self.pause_mode)
+        if self.pause_mode not in SYNC_PAUSE_MODES:
+            raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {self.pause_mode.value}")
+
+
+def tcp_init_method(host: str, port: int) -> str:
+    """``tcp://host:port`` with an IPv6 literal in brackets (as SGLang's ``NetworkAddress.to_tcp``)."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:  # a host name
+        pass
+    return f"tcp://{host}:{port}"
+
+
+def new_trainer_process_group(*, master_address: str, master_port: int, world_size: int, group_name: str,
+                              backend: str, timeout_s: float):
+    """Rank 0 of a process group outside the trainer's default world, joined by the servers.
+
+    SGLang's servers build their side with a TCP rendezvous at ``master_address:port``,
+    a ``PrefixStore(group_name, store)`` and ``_new_process_group_helper`` (sglang
+    ``init_custom_process_group``); the trainer side builds the same store layout.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(c10d.rendezvous(tcp_init_method(master_address, master_port), 0, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend), store, group_name=group_name,
+                                           backend_options=None, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
+def buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group a stream of named tensors into buckets of at most ``bucket_bytes`` (one tensor may exceed it)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _check_bucket(bucket: Bucket) -> None:
+    import torch
+
+    if not bucket:
+        raise ValueError("weight sync: an empty bucket")
+    for name, tensor in bucket:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight sync: {name} is a {type(tensor).__name__}, not a torch.Tensor")
+
+
+async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> None:
+    """pause -> begin -> ``await load()`` -> end -> flush -> resume; the session ends and
+    generation resumes on failure too."""
+    try:
+        await engine.pause(mode=mode)
+        await engine.begin_weight_update()
+        try:
+            await load()
+        finally:
+            await engine.end_weight_update()
+        await engine.flush_cache()
+    finally:
+        await engine.resume()
+
+
+def _daemon_call(fn) -> concurrent.futures.Future:
+    """Run ``fn`` in a daemon thread (a group join that never completes must not block exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            if not future.cancelled():
+                future.set_exception(exc)
+            else:
+                log.debug("abandoned weight-update group join ended: %r", exc)
+            return
+        if not future.cancelled():
+            future.set_result(result)
+
+    threading.Thread(target=target, name="weight-sync-group", daemon=True).start()
+    return future
+
+
+class DistributedWeightSync:
+    """Rank 0 broadcasts HF-named tensors to every server's TP ranks (see the module docstring).
+
+    ``await connect()`` once, ``await send(buckets, weight_version=...)`` per sync, ``await
+    close()`` at the end; all on the event loop the engine uses.
+    """
+
+    def __init__(self, engine: SGLangEngine, config: DistributedWeightSyncConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.group = None
+        self.world_size = 0
+
+    async def connect(self) -> None:
+        """Check the servers, then build the group; fails at once when a server cannot join."""
+        cfg = self.config
+        infos = await self.engine.server_info(refresh=True)
+        world_size = 1 + sum(info["tp_size"] for info in infos)
+        joined = asyncio.wrap_future(_daemon_call(lambda: new_trainer_process_group(
+            master_address=cfg.master_address, master_port=cfg.master_port, world_size=world_size,
+            group_name=cfg.group_name, backend=cfg.backend, timeout_s=cfg.timeout_s)))
+        init = asyncio.ensure_future(self.engine.init_weights_update_group(
+            master_address=cfg.master_address, master_port=cfg.master_port, group_name=cfg.group_name,
+            backend=cfg.backend))
+        await asyncio.wait({joined, init}, return_when=asyncio.FIRST_EXCEPTION)
+        if init.done() and init.exception() is not None:
+            joined.cancel()  # the join thread gives up at its own timeout; nobody waits for it
+            raise init.exception()
+        try:
+            self.group = await joined
+        except BaseException:
+            init.cancel()
+            await asyncio.gather(init, return_exceptions=True)
+            raise
+        await init
+        self.world_size = world_size
+        log.info("weight-update group %s ready (world size %d)", cfg.group_name, world_size)
+
+    async def send(self, buckets: Iterable[Bucket], *, weight_version: str) -> None:
+        """One sync: every bucket announced to all servers and broadcast from rank 0."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise RuntimeError("DistributedWeightSync.connect() was not called")
+        loop = asyncio.get_running_loop()
+
+        async def load() -> None:
+            for bucket in buckets:
+                _check_bucket(bucket)
+                announce = asyncio.ensure_future(self.engine.update_weights_from_distributed(
+                    names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], group_name=self.config.group_name,
+                    weight_version=weight_version))
+
+                def broadcast(bucket=bucket) -> None:
+                    for _, tensor in bucket:
+                        dist.broadcast(tensor.contiguous(), src=0, group=self.group)
+
+                try:
+                    await loop.run_in_executor(None, broadcast)
+                finally:
+                    await announce
+
+        await _run_sync(self.engine, self.config.pause_mode, load)
+        log.info("weights %s sent to %d server(s)", weight_version, len(self.engine.pool.servers))
+
+    async def close(self) -> None:
+        """Leave the group on the servers and here."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        try:
+            await self.engine.destroy_weights_update_group(self.config.group_name)
+        finally:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def serialize_for_tp_ranks(bucket: Bucket, tp_size: int) -> list[str]:
+    """One base64 ``MultiprocessingSerializer`` dump of ``bucket`` per server TP rank (CUDA only).
+
+    SGLang's ``deserialize_own_rank`` reads entry ``tp_rank`` after
+    ``monkey_patch_torch_reductions`` (CUDA IPC handles keyed by device UUID), so the dump
+    is made after the same patch, once per rank (each rank's copy is released separately).
+    """
+    _check_bucket(bucket)
+    on_cpu = [name for name, tensor in bucket if not tensor.is_cuda]
+    if on_cpu:
+        raise ValueError(f"update_weights_from_tensor shares CUDA memory; {on_cpu[:3]} are not on a GPU")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
+
+
+class TensorWeightSync:
+    """Colocated sync: CUDA IPC handles of this rank's tensors to every server TP rank."""
+
+    def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT) -> None:
+        mode = as_pause_mode(pause_mode)
+        if mode not in SYNC_PAUSE_MODES:
+            raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {mode.value}")
+        self.engine = engine
+        self.pause_mode = mode
+
+    async def send(self, buckets: Iterable[Bucket], *, weight_version: str) -> None:
+        tp_sizes = [info["tp_size"] for info in await self.engine.server_info()]
+
+        async def load() -> None:
+            for bucket in buckets:
+                payloads = [serialize_for_tp_ranks(bucket, tp) for tp in tp_sizes]
+                await self.engine.update_weights_from_tensor(payloads, weight_version=weight_version)
+
+        await _run_sync(self.engine, self.pause_mode, load)

@@ -1,0 +1,14 @@
+"""SGLang servers as a generation engine: the HTTP client and the server launcher.
+
+``wire`` (the /generate request and answer), ``pool`` (health and routing), ``client``
+(:class:`SGLangEngine`: generate and the control endpoints) and ``server`` (launching
+``sglang.launch_server``). The trainer-side weight sync that drives the control
+endpoints lives in :mod:`megatron_tir.policy.weight_sync`.
+"""
+
+from megatron_tir.rollout.engines.sglang.client import SGLangEngine, SGLangEngineConfig
+from megatron_tir.rollout.engines.sglang.server import SGLangServer, SGLangServerConfig
+from megatron_tir.rollout.engines.sglang.wire import SGLangError, build_generate_request, parse_generate_response
+
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "SGLangError", "SGLangServer", "SGLangServerConfig",
+           "build_generate_request", "parse_generate_response"]

@@ -1,0 +1,156 @@
+"""The trainer-side weight sync (megatron_tir.policy.weight_sync) against two fake server processes.
+
+Each fake (fake_sglang.py, launched through SGLangServer) serves a tiny Qwen2 with a
+LocalEngine and joins the weight-update group with SGLang's own
+``init_custom_process_group`` over gloo; it refuses updates outside a begin/end session
+and flushes only an idle scheduler, like sglang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from engine_testing import reference_logprobs, run
+from sglang_testing import free_port
+from transformers import AutoModelForCausalLM
+
+from megatron_tir.policy.weight_sync import DistributedWeightSync, DistributedWeightSyncConfig, buckets_of
+from megatron_tir.rollout.engines.base import FinishReason, PauseMode, SamplingParams
+from megatron_tir.rollout.engines.sglang import (
+    SGLangEngine,
+    SGLangEngineConfig,
+    SGLangError,
+    SGLangServer,
+    SGLangServerConfig,
+)
+
+pytestmark = pytest.mark.slow
+
+FAKE_SERVER = Path(__file__).with_name("fake_sglang.py")
+PROMPT = [1, 504, 3458, 314, 1470, 30]
+SYNC_PATHS = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/flush_cache",
+              "/continue_generation"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen2, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fake-sglang")
+    configs = [SGLangServerConfig(model_path=str(tiny_qwen2), port=free_port(), random_seed=0,
+                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(logs / f"server{i}.log"))
+               for i in range(2)]
+    launched = [SGLangServer(c).start() for c in configs]
+    try:
+        for server in launched:
+            server.wait_healthy(timeout_s=120, poll_s=0.2)
+        yield launched
+    finally:
+        for server in launched:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_qwen2):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 + 0.2 * torch.randn_like(p))
+    return model, [(name, tensor.clone()) for name, tensor in model.state_dict().items()]
+
+
+def fake_state(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/fake_state", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def engine_and_sync(servers, **sync_overrides) -> tuple[SGLangEngine, DistributedWeightSync]:
+    engine = SGLangEngine(SGLangEngineConfig(server_urls=tuple(s.url for s in servers), eos_token_ids=(0,),
+                                             health_check_interval_s=0))
+    config = DistributedWeightSyncConfig(master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                         timeout_s=60, **sync_overrides)
+    return engine, DistributedWeightSync(engine, config)
+
+
+def test_generate_pause_sync_resume_generate_uses_the_new_weights(servers, new_weights, tiny_qwen2):
+    reference, weights = new_weights
+    original = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    marks = [len(fake_state(s.url)["paths"]) for s in servers]
+
+    async def main():
+        engine, sync = engine_and_sync(servers)
+        async with engine:
+            before = await engine.generate(PROMPT, params)
+            await sync.connect()
+            await sync.send(buckets_of(weights, 64 << 10), weight_version="1")
+            after = await asyncio.gather(*(engine.generate(PROMPT, SamplingParams(
+                max_new_tokens=8, seed=5, route_key=f"k{i}")) for i in range(4)))
+            await sync.close()
+        return before, after
+
+    before, after = run(main(), timeout=180)
+    torch.testing.assert_close(torch.tensor(before.logprobs),
+                               reference_logprobs(original, PROMPT, before.token_ids, 1.0), atol=1e-4, rtol=0)
+    assert {out.meta["server"] for out in after} == {s.url for s in servers}
+    for out in after:
+        assert out.finish_reason is FinishReason.LENGTH and out.meta["weight_version"] == "1"
+        torch.testing.assert_close(torch.tensor(out.logprobs),
+                                   reference_logprobs(reference, PROMPT, out.token_ids, 1.0), atol=1e-4, rtol=0)
+    buckets = len(list(buckets_of(weights, 64 << 10)))
+    for server, mark in zip(servers, marks):
+        state = fake_state(server.url)
+        paths = [p for p in state["paths"][mark:] if p != "/generate"]
+        paths = [p for i, p in enumerate(paths) if not p == paths[i - 1] == "/flush_cache"]  # refusals retried
+        assert paths == (["/server_info", "/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
+                         + ["/update_weights_from_distributed"] * buckets
+                         + ["/end_weight_update", "/flush_cache", "/continue_generation",
+                            "/destroy_weights_update_group"])
+        assert not state["contract_errors"]
+
+
+def test_a_failed_bucket_ends_the_session_and_resumes_generation(servers):
+    async def main():
+        engine, sync = engine_and_sync(servers)
+        async with engine:
+            await sync.connect()
+            with pytest.raises(SGLangError, match="model.norm.weight has shape \\(3,\\)"):
+                await sync.send([[("model.norm.weight", torch.zeros(3))]], weight_version="bad")
+            states = [fake_state(s.url) for s in servers]
+            out = await engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=1))
+            await sync.close()
+        return states, out
+
+    states, out = run(main(), timeout=180)
+    for state in states:
+        assert state["session_open"] is False and state["is_pause"] is False
+        assert state["paths"][-3:] == ["/update_weights_from_distributed", "/end_weight_update", "/continue_generation"]
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_a_retracted_request_records_the_versions_it_crossed(servers, new_weights):
+    _, weights = new_weights
+    (old_version,) = {fake_state(s.url)["weight_version"] for s in servers}
+
+    async def main():
+        engine, sync = engine_and_sync(servers, pause_mode=PauseMode.RETRACT)
+        async with engine:
+            await sync.connect()
+            task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_new_tokens=300, seed=2)))
+            await asyncio.sleep(0.5)
+            await sync.send(buckets_of(weights, 64 << 10), weight_version="2")
+            out = await task
+            await sync.close()
+        return out
+
+    out = run(main(), timeout=180)
+    spans = out.meta["weight_versions"]
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 300
+    assert [s["version"] for s in spans] == [old_version, "2"] and spans[-1]["end"] == 300
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+    assert out.meta["weight_version"] == "2"
