@@ -166,7 +166,7 @@ def smollm2_cpu() -> TrainConfig:
     with code (chat template; the answer is what final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
-        learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=2048),
+        learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=1024),
         rollout=RolloutConfig(n_samples=4, max_turns=3, max_response_tokens=256, temperature=0.8, max_in_flight=32,
                               tool_timeout_s=5.0, prompt=PromptConfig(mode="chat")),
         engine=EngineConfig(max_batch_size=16),
