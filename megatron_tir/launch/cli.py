@@ -106,11 +106,11 @@ def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
         if args.dryrun:
             print(rendered.sbatch)
             for group, text in rendered.scripts.items():
-                print(f"# ---------- /nemo_run/scripts/{rendered.script_names[group]} ({group} group)")
+                print(f"# ---------- {rendered.script_names[group]} ({group} group, run by its srun line)")
                 print(text)
         return 0
     write_record(spec.run_dir, LaunchRecord(executor="slurm", recipe=spec.recipe, cluster=cluster))
-    exp_id = slurm.submit(cluster, spec)
+    exp_id = slurm.submit(cluster, spec)  # ValueError when sbatch refuses the job
     exp_dir = Path(slurm.experiments_dir(cluster), exp_id.rsplit("_", 1)[0], exp_id)
     print(f"submitted experiment {exp_id}\n  run dir: {spec.run_dir}\n  agents' logs: {spec.run_dir}/logs/"
           f"<group>-<host>/\n  sbatch script and srun logs: {exp_dir}/ (nemo experiment status {exp_id}, "
@@ -150,7 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if executor == "slurm":
         assert cluster is not None
-        return _slurm(args, spec, cluster)
+        try:
+            return _slurm(args, spec, cluster)
+        except ValueError as exc:
+            parser.error(str(exc))
     return _local(args, spec)
 
 

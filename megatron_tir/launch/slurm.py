@@ -288,10 +288,16 @@ def render(cluster: Cluster, spec: RunSpec) -> Rendered:
 
 
 def submit(cluster: Cluster, spec: RunSpec) -> str:
-    """Submit the run with sbatch (from a login node: nemo-run's LocalTunnel); returns the experiment id."""
+    """Submit the run with sbatch (from a login node: nemo-run's LocalTunnel); returns the
+    experiment id. A refused submission is a ValueError with sbatch's own last line."""
+    import invoke
     import nemo_run as run
 
-    with _no_stdin(), run.Experiment(_title(spec), base_dir=cluster.job_dir, log_level="WARN") as exp:
-        add_tasks(exp, cluster, spec)
-        exp.run(detach=True)
-        return exp._id
+    try:
+        with _no_stdin(), run.Experiment(_title(spec), base_dir=cluster.job_dir, log_level="WARN") as exp:
+            add_tasks(exp, cluster, spec)
+            exp.run(detach=True)
+            return exp._id
+    except invoke.exceptions.UnexpectedExit as exc:
+        lines = (exc.result.stderr or exc.result.stdout or "").strip().splitlines()
+        raise ValueError(f"sbatch refused the job: {lines[-1] if lines else f'exit status {exc.result.exited}'}") from None

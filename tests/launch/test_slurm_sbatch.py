@@ -220,12 +220,12 @@ def test_resume_continues_on_the_same_layout_with_new_budgets(example_cluster, t
                  "--set", "rollout.max_response_tokens=24576", "--dryrun"])
     assert code == 0
     printed = capsys.readouterr().out
-    sbatch = printed[:printed.index("# ---------- /nemo_run/scripts/")]
+    sbatch = printed[:printed.index("# ---------- run-0.sh")]
     first = _render(example_cluster, run_dir)
     assert _sbatch_flags(sbatch) | {"output": ""} == _sbatch_flags(first.sbatch) | {"output": ""}
     same_id = lambda line: re.sub(r"_[0-9]{8,}/", "_ID/", line)  # noqa: E731 (nemo-run's experiment id)
     assert [same_id(s) for s in _srun_lines(sbatch)] == [same_id(s) for s in _srun_lines(first.sbatch)]
-    trainer = printed[printed.index("(trainer group)"):]
+    trainer = printed[printed.index("(trainer group, run by its srun line)"):]
     env = _addresses(sbatch, shims, HOSTS)
     argv = _agent_argv(trainer.split("\n", 1)[1], shims, tmp_path, {**env, "SLURM_PROCID": "0"})
     train = argv[argv.index("megatron_tir.cli"):]
@@ -318,21 +318,35 @@ def test_each_group_can_have_its_own_image_and_mounts(cluster_file, tmp_path):
 # ----------------------------------------------------------------------------- submission
 
 
-def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tmp_path, monkeypatch, capsys):
-    """``tir-launch`` without --dryrun, against stand-ins for sbatch/srun/squeue/sacct: nemo-run's
-    LocalTunnel copies nothing, so what sbatch gets must already be where the job looks."""
-    nemo_slurm = importlib.import_module("nemo_run.run.torchx_backend.schedulers.slurm")
-
+def _stand_in_slurm(tmp_path, monkeypatch, sbatch_body: str) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls = tmp_path / "sbatch.calls"
-    (bin_dir / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {calls}\necho 4242\n')
+    (bin_dir / "sbatch").write_text("#!/bin/bash\n" + sbatch_body)
     for tool in ("srun", "squeue", "sacct"):
         (bin_dir / tool).write_text("#!/bin/bash\nexit 0\n")
     for f in bin_dir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    nemo_slurm = importlib.import_module("nemo_run.run.torchx_backend.schedulers.slurm")
     monkeypatch.setattr(nemo_slurm, "SLURM_JOB_DIRS", str(tmp_path / "slurm_jobs"))
+
+
+def test_a_refused_submission_is_one_error_line(cluster_file, tmp_path, monkeypatch, capsys):
+    _stand_in_slurm(tmp_path, monkeypatch, 'echo "sbatch: error: Batch job submission failed: Invalid account" >&2\n'
+                                           "exit 1\n")
+    path = cluster_file({"job_dir": str(tmp_path / "nemo-run"), "run_root": str(tmp_path / "runs")})
+    with pytest.raises(SystemExit) as exit_:
+        main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(path), "--out", str(tmp_path / "runs" / "r")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "tir-launch: error: sbatch refused the job: sbatch: error: Batch job submission failed: Invalid account")
+
+
+def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tmp_path, monkeypatch, capsys):
+    """``tir-launch`` without --dryrun, against stand-ins for sbatch/srun/squeue/sacct: nemo-run's
+    LocalTunnel copies nothing, so what sbatch gets must already be where the job looks."""
+    calls = tmp_path / "sbatch.calls"
+    _stand_in_slurm(tmp_path, monkeypatch, f'printf "%s\\n" "$@" > {calls}\necho 4242\n')
     shared = tmp_path / "shared"
     path = cluster_file({"job_dir": str(shared / "nemo-run"), "run_root": str(shared / "runs")})
     run_dir = shared / "runs" / "r1"
