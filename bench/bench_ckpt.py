@@ -121,13 +121,14 @@ def _run_phase(name: str, src: Path, dst: Path) -> dict:
 def _synthetic_qwen2(dest: Path) -> Path:
     """A random untied Qwen2 with ~0.9B parameters in bfloat16 (to see how costs scale with size)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    from megatron_tir.models import materialize_smollm2, tiny_config
+    from megatron_tir.model_sources import materialize_smollm2
 
     torch.manual_seed(0)
-    cfg = tiny_config("qwen2", tie_word_embeddings=False, hidden_size=2048, num_layers=16, num_heads=16,
-                      num_kv_heads=4, intermediate_size=5632)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                      num_key_value_heads=4, intermediate_size=5632, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(dest)
     AutoTokenizer.from_pretrained(materialize_smollm2()).save_pretrained(dest)
@@ -164,7 +165,7 @@ def main() -> int:
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from megatron_tir.models import resolve_model
+    from megatron_tir.model_sources import resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir))
     try:

@@ -1,8 +1,8 @@
 """HF <-> Megatron checkpoint conversion, TP/PP resharding and logit-parity checks (``tir-ckpt``).
 
-Modules: ``keymap`` (one HF <-> Megatron table per family, with transforms), ``convert``
-(streaming conversion both ways), ``layout`` (the on-disk checkpoint layout a training
-run also writes), ``megatron_io`` (load/save a live parallel GPTModel), ``reshard``,
-``verify``, ``hf_io`` / ``dist_reader`` (one-tensor-at-a-time I/O), ``launch`` (local
-gloo ranks), ``cli``.
+Modules: ``convert`` (streaming conversion both ways), ``reshard``, ``verify``,
+``dist_reader`` (one-tensor-at-a-time reads of torch_dist files), ``cli``. What a training
+run shares with them lives in ``megatron_tir.policy``: the key map (``keymap``), the
+checkpoint layout, HF I/O, the torch_dist writer and model save/load (``checkpoint``), and
+local gloo ranks (``parallel``).
 """

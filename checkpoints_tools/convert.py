@@ -24,42 +24,15 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools import keymap
+from megatron_tir.policy import keymap
 from checkpoints_tools.dist_reader import RegionReader
-from checkpoints_tools.hf_io import HFReader, StreamingSafetensorsWriter, TensorEntry
-from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, atomic_output_dir,
+from megatron_tir.policy.checkpoint.hf_io import HFReader, StreamingSafetensorsWriter, TensorEntry
+from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, atomic_output_dir,
                                       copy_hf_files, read_meta, resolve_checkpoint, write_meta)
-from megatron_tir.models import resolve_model
-from megatron_tir.policy.spec import FAMILIES, ModelSpec
+from megatron_tir.model_sources import resolve_model
+from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
 
 log = logging.getLogger(__name__)
-
-
-def read_hf_config(hf_dir: Path) -> dict:
-    """config.json of an HF dir, verbatim; ValueError for unknown architectures.
-
-    Read as JSON (not through transformers' AutoConfig, whose import costs more than a
-    small model's conversion); ``ModelSpec.from_hf`` knows both the transformers 4
-    (``rope_theta``, ``torch_dtype``) and 5 (``rope_parameters``, ``dtype``) spellings.
-    """
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{hf_dir} has no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
-        model_type = raw.get("model_type") if isinstance(raw, dict) else None
-        raise ValueError(f"unsupported architecture: model_type={model_type!r} "
-                         f"architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
-                         f"(supported: llama, qwen2)")
-    return raw
-
-
-def spec_from_hf_dir(hf_dir: Path) -> tuple[ModelSpec, dict]:
-    config = read_hf_config(hf_dir)
-    return ModelSpec.from_hf(config), config
 
 
 def _model_templates(spec: ModelSpec) -> dict:
@@ -68,7 +41,8 @@ def _model_templates(spec: ModelSpec) -> dict:
     ShardedObject per ``_extra_state`` (saved as they are)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
 
     init_parallel(1, 1)
     model = build_gpt_model(spec, meta=True, pre_process=True, post_process=True)
@@ -171,7 +145,7 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
 
 def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
     """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
-    from checkpoints_tools.dist_writer import save_sharded
+    from megatron_tir.policy.checkpoint.dist_writer import save_sharded
 
     hf_dir = resolve_model(hf)
     spec, config = spec_from_hf_dir(hf_dir)

@@ -166,7 +166,7 @@ class RegionReader:
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> "RegionReader":
+    def __enter__(self) -> RegionReader:
         return self
 
     def __exit__(self, *exc) -> None:

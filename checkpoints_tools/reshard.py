@@ -13,15 +13,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from checkpoints_tools.launch import run_ranks
-from checkpoints_tools.layout import HF_FILES_DIR, atomic_output_dir, read_meta, resolve_checkpoint
+from megatron_tir.policy.parallel import run_ranks
+from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, atomic_output_dir, read_meta, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 def _reshard_rank(rank: int, world: int, src: str, dst: str, tp: int, pp: int) -> None:
-    from checkpoints_tools.megatron_io import load_model, save_model
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.checkpoint.megatron_io import load_model, save_model
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
 
     meta = read_meta(Path(src))
     init_parallel(tp, pp)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.convert import spec_from_hf_dir
-from checkpoints_tools.launch import run_ranks
-from checkpoints_tools.layout import read_meta, resolve_checkpoint
-from checkpoints_tools.megatron_io import check_same_model, load_model
-from megatron_tir.models import resolve_model
+from megatron_tir.policy.spec import spec_from_hf_dir
+from megatron_tir.policy.parallel import run_ranks
+from megatron_tir.policy.checkpoint.layout import read_meta, resolve_checkpoint
+from megatron_tir.policy.checkpoint.megatron_io import check_same_model, load_model
+from megatron_tir.model_sources import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def _megatron_rank(rank: int, world: int, ckpt: str, tp: int, pp: int, dtype: st
                    out_path: str) -> None:
     from megatron.core import parallel_state
 
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
     from megatron_tir.policy.forward import forward_logits
 
     spec = dataclasses.replace(read_meta(Path(ckpt)).spec, dtype=dtype)
@@ -112,7 +113,7 @@ def megatron_logits(ckpt: Path, ids_BS: torch.Tensor, *, tp: int, pp: int, dtype
         ids_path, out_path = str(Path(tmp) / "ids.pt"), str(Path(tmp) / "logits.pt")
         torch.save(ids_BS, ids_path)
         if tp * pp == 1:
-            from megatron_tir.policy.build import destroy_parallel
+            from megatron_tir.policy.parallel import destroy_parallel
 
             try:
                 _megatron_rank(0, 1, str(ckpt), 1, 1, dtype, ids_path, out_path)

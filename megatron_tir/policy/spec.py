@@ -11,12 +11,14 @@ hold). ``ModelSpec.transformer_config()`` turns it into megatron-core's
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-# HF ``model_type`` -> family name used by the key maps in checkpoints_tools.
+# HF ``model_type`` -> family name used by the key maps (``megatron_tir.policy.keymap``).
 FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,7 +80,7 @@ class ModelSpec:
             raise ValueError(f"pp={pp} does not divide the number of layers ({self.num_layers})")
 
     @classmethod
-    def from_hf(cls, config: Any) -> "ModelSpec":
+    def from_hf(cls, config: Any) -> ModelSpec:
         """From a ``transformers`` config object or its ``to_dict()``; ValueError if unsupported."""
         cfg = config if isinstance(config, dict) else config.to_dict()
         model_type = cfg.get("model_type")
@@ -132,7 +134,7 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
+    def from_dict(cls, d: dict) -> ModelSpec:
         return cls(**d)
 
     def transformer_config(self, *, tp: int = 1, pp: int = 1, **overrides: Any):
@@ -174,3 +176,30 @@ class ModelSpec:
         )
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of an HF dir, verbatim; ValueError for unknown architectures.
+
+    Read as JSON (not through transformers' AutoConfig, whose import costs more than a
+    small model's conversion); ``ModelSpec.from_hf`` knows both the transformers 4
+    (``rope_theta``, ``torch_dtype``) and 5 (``rope_parameters``, ``dtype``) spellings.
+    """
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        raise ValueError(f"unsupported architecture: model_type={model_type!r} "
+                         f"architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
+                         f"(supported: llama, qwen2)")
+    return raw
+
+
+def spec_from_hf_dir(hf_dir: Path) -> tuple[ModelSpec, dict]:
+    config = read_hf_config(hf_dir)
+    return ModelSpec.from_hf(config), config

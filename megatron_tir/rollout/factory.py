@@ -72,7 +72,7 @@ class SandboxConfig:
 
 def resolve_model_dir(cfg: EngineConfig) -> Path:
     """The HF directory of ``cfg.model`` (ValueError naming the model when there is none)."""
-    from megatron_tir.models import resolve_model
+    from megatron_tir.model_sources import resolve_model
 
     return resolve_model(cfg.model)
 

@@ -10,7 +10,7 @@ import sys
 
 
 from checkpoints_tools.cli import EXIT_BAD_INPUT, EXIT_VERIFY_FAILED, main
-from checkpoints_tools.layout import META_NAME
+from megatron_tir.policy.checkpoint.layout import META_NAME
 
 
 def _fails(capsys, argv, message, out=None):
@@ -126,3 +126,14 @@ def test_console_script_exit_code(smollm2_dir, tmp_path):
     assert proc.returncode == EXIT_BAD_INPUT
     assert proc.stderr.strip() == "tir-ckpt: error: tp=2 does not divide the attention heads (9)"
     assert not out.exists()
+
+
+def test_log_level_is_global_and_checked(capsys):
+    assert main(["--log-level", "warning", "keymap", "--family", "llama"]) == 0
+    try:
+        main(["--log-level", "loud", "keymap"])
+    except SystemExit as e:
+        assert e.code == EXIT_BAD_INPUT
+    else:
+        raise AssertionError("an unknown --log-level was accepted")
+    assert "tir-ckpt: error: argument --log-level: invalid choice: 'loud'" in capsys.readouterr().err

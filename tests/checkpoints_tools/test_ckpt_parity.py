@@ -54,7 +54,7 @@ def test_tiny_qwen2_tied_tp1(make_tiny_hf, convert_once):
 
 @pytest.mark.slow
 def test_reshard_writes_the_target_layout_and_keeps_logits(make_tiny_hf, convert_once, tmp_path):
-    from checkpoints_tools.layout import read_meta
+    from megatron_tir.policy.checkpoint.layout import read_meta
 
     hf_dir = make_tiny_hf("qwen2", tie_word_embeddings=False)
     out = reshard(convert_once(hf_dir), tmp_path / "tp1pp2", tp=1, pp=2)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from checkpoints_tools.convert import megatron_to_hf
-from checkpoints_tools.layout import (CHECKPOINTS_DIR, LATEST_FILE, META_NAME, iteration_dir, read_meta,
+from megatron_tir.policy.checkpoint.layout import (CHECKPOINTS_DIR, LATEST_FILE, META_NAME, iteration_dir, read_meta,
                                       resolve_checkpoint)
 
 
@@ -45,7 +45,7 @@ def test_bf16_round_trip_keeps_dtype_and_bits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from checkpoints_tools.convert import hf_to_megatron
-    from megatron_tir.models import tiny_config
+    from tiny_models import tiny_config
 
     torch.manual_seed(1)
     src = tmp_path / "bf16"
@@ -108,8 +108,8 @@ def test_hf_to_megatron_writes_in_process_and_megatron_core_reads_it(make_tiny_h
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from checkpoints_tools.convert import _model_templates, hf_to_megatron
-    from checkpoints_tools.hf_io import HFReader
-    from checkpoints_tools.keymap import plan
+    from megatron_tir.policy.checkpoint.hf_io import HFReader
+    from megatron_tir.policy.keymap import plan
 
     hf_dir = make_tiny_hf("qwen2", tie_word_embeddings=False)
     before_crc = torch.serialization.get_crc32_options()

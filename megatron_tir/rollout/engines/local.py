@@ -60,7 +60,7 @@ _ATTN = ("sdpa", "eager")
 class LocalEngineConfig:
     """How to build a :class:`LocalEngine`."""
 
-    model: str = "smollm2"  # "smollm2" or an HF model directory (see megatron_tir.models.resolve_model)
+    model: str = "smollm2"  # "smollm2" or an HF model directory (see megatron_tir.model_sources.resolve_model)
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     max_batch_size: int = 8  # requests decoded together
@@ -125,7 +125,7 @@ class LocalEngine:
     def __init__(self, config: LocalEngineConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from megatron_tir.models import resolve_model
+        from megatron_tir.model_sources import resolve_model
 
         self.config = config
         if config.torch_threads is not None:

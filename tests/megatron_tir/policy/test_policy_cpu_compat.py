@@ -11,9 +11,7 @@ import torch
 from megatron_tir.policy import cpu_compat
 
 
-@pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: f"{p.module}:{p.attribute}")
-def test_patch_target_exists_and_still_needs_patching(patch):
-    """Fails loudly when megatron-core moves or fixes a spot this module redirects."""
+def _check_target(patch) -> None:
     module = importlib.import_module(patch.module)
     cpu_compat.resolve(patch)  # AttributeError if the target moved
     original = cpu_compat.original(patch)
@@ -21,10 +19,16 @@ def test_patch_target_exists_and_still_needs_patching(patch):
     assert patch.marker in source, f"{patch.module}.{patch.attribute} no longer contains {patch.marker!r}"
 
 
+@pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: f"{p.module}:{p.attribute}")
+def test_patch_target_exists_and_still_needs_patching(patch):
+    """Fails loudly when megatron-core moves or fixes a spot this module redirects."""
+    _check_target(patch)
+
+
 def test_patch_checks_still_pass_after_apply():
     cpu_compat.apply()
     for patch in cpu_compat.PATCHES:
-        test_patch_target_exists_and_still_needs_patching(patch)
+        _check_target(patch)
 
 
 def test_apply_is_idempotent_and_redirects():
@@ -47,11 +51,12 @@ def test_apply_is_idempotent_and_redirects():
 
 
 def _grads_rank(rank, world, hf_dir, ids_path, out_dir):
-    from checkpoints_tools.convert import spec_from_hf_dir
-    from checkpoints_tools.keymap import plan, to_megatron
-    from checkpoints_tools.hf_io import HFReader
+    from megatron_tir.policy.spec import spec_from_hf_dir
+    from megatron_tir.policy.keymap import plan, to_megatron
+    from megatron_tir.policy.checkpoint.hf_io import HFReader
     from megatron.core import parallel_state
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
 
     spec, _ = spec_from_hf_dir(hf_dir)
     init_parallel(2, 1)
@@ -81,7 +86,7 @@ def _grads_rank(rank, world, hf_dir, ids_path, out_dir):
 def test_forward_backward_tp2_matches_transformers(make_tiny_hf, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from checkpoints_tools.launch import run_ranks
+    from megatron_tir.policy.parallel import run_ranks
 
     hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
     ids = torch.tensor([[1, 17, 400, 3, 99, 12, 5, 7]])
@@ -111,9 +116,10 @@ def _schedule_rank(rank, world, tp, pp, ckpt, batches_path, out_dir):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from checkpoints_tools.layout import read_meta
-    from checkpoints_tools.megatron_io import load_model
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.checkpoint.layout import read_meta
+    from megatron_tir.policy.checkpoint.megatron_io import load_model
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
 
     init_parallel(tp, pp)
     model = build_gpt_model(read_meta(ckpt).spec, perform_initialization=False)
@@ -149,7 +155,7 @@ def test_schedule_forward_backward_matches_transformers(tp, pp, make_tiny_hf, tm
     from transformers import AutoModelForCausalLM
 
     from checkpoints_tools.convert import hf_to_megatron
-    from checkpoints_tools.launch import run_ranks
+    from megatron_tir.policy.parallel import run_ranks
 
     hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
     ckpt = hf_to_megatron(hf_dir, tmp_path / "ckpt")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from megatron_tir.models import tiny_config
+from tiny_models import tiny_config
 from megatron_tir.policy.spec import ModelSpec
 
 
@@ -61,7 +61,8 @@ def test_transformer_config_matches_the_hf_model():
 
 
 def test_build_gpt_model_tp1(make_tiny_hf):
-    from megatron_tir.policy.build import build_gpt_model, init_parallel
+    from megatron_tir.policy.build import build_gpt_model
+    from megatron_tir.policy.parallel import init_parallel
 
     spec = ModelSpec.from_hf(tiny_config("qwen2", tie_word_embeddings=False))
     init_parallel(1, 1)

@@ -30,7 +30,7 @@ def _free_port() -> int:
 def gpu_model_dir():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from megatron_tir.models import resolve_model
+    from megatron_tir.model_sources import resolve_model
 
     return resolve_model(os.environ.get("MEGATRON_TIR_GPU_MODEL", "smollm2"))
 

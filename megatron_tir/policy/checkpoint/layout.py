@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from checkpoints_tools.hf_io import WEIGHT_SUFFIXES, INDEX_NAME
+from megatron_tir.policy.checkpoint.hf_io import WEIGHT_SUFFIXES, INDEX_NAME
 from megatron_tir.policy.spec import ModelSpec
 
 META_NAME = "tir_ckpt.json"

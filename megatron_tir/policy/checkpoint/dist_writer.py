@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from checkpoints_tools.hf_io import buffer_address, copy_range
+from megatron_tir.policy.checkpoint.hf_io import buffer_address, copy_range
 
 log = logging.getLogger(__name__)
 

@@ -120,7 +120,8 @@ def plan(spec: ModelSpec) -> list[TensorPlan]:
             continue
         layers = range(spec.num_layers) if rule.per_layer else [None]
         for i in layers:
-            fmt = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
+            def fmt(s: str, i=i) -> str:
+                return s.format(i=i) if i is not None else s
             shapes = _hf_shapes(rule, spec)
             mshape = (sum(s[0] for s in shapes), *shapes[0][1:])
             out.append(TensorPlan(megatron=fmt(rule.megatron), hf=tuple(fmt(n) for n in rule.hf),

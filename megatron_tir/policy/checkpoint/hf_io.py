@@ -300,7 +300,7 @@ class StreamingSafetensorsWriter:
     def close(self) -> None:
         self._close_file()
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

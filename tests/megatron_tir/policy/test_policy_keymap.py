@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints_tools import keymap
-from megatron_tir.models import tiny_config
+from megatron_tir.policy import keymap
+from tiny_models import tiny_config
 from megatron_tir.policy.spec import ModelSpec
 
 

