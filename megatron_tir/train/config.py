@@ -166,13 +166,13 @@ def smollm2_cpu() -> TrainConfig:
     with code (chat template; the answer is what final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
-        learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=2048),
+        learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=1024),
         rollout=RolloutConfig(n_samples=4, max_turns=3, max_response_tokens=256, temperature=0.8, max_in_flight=32,
                               tool_timeout_s=5.0, prompt=PromptConfig(mode="chat")),
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
         data=DataConfig(eval_size=32, eval_samples=1),
-        trainer=TrainerConfig(steps=30, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=10, eval_every=5),
+        trainer=TrainerConfig(steps=10, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=5, eval_every=5),
     )
 
 
