@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatron_tir.launch.cluster import Cluster
 from megatron_tir.launch.spec import RunSpec
-from megatron_tir.rollout.engines.sglang_server import SGLangServerConfig
+from megatron_tir.rollout.engines.sglang.server import SGLangServerConfig
 
 GROUPS = ("trainer", "sglang", "sandbox")  # the allocation's hosts are cut in this order
 TASK_NAME = "run"
@@ -140,7 +140,7 @@ def sglang_services(cluster: Cluster, model: str) -> list[str]:
         server = SGLangServerConfig(
             model_path=cluster.model_path(model), host="0.0.0.0", port=cluster.sglang.port + i,
             tp_size=cluster.sglang_tp, base_gpu_id=i * cluster.sglang_tp, mem_fraction_static=mem,
-            enable_memory_saver=colocated, extra_args=tuple(cluster.sglang.extra_args),
+            colocated=colocated, extra_args=tuple(cluster.sglang.extra_args),
             launcher=("python", "-m", "sglang.launch_server"))
         words.append(f'--service "sglang-{server.port}={_dq(shlex.join(server.argv()))}"')
     return words
