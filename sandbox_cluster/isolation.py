@@ -274,9 +274,10 @@ class SlotCgroup:
     def pids(self) -> list[int]:
         return [int(x) for x in self.read("cgroup.procs").split()]
 
-    def kill_all(self, deadline_s: float = 2.0, keep: tuple[int, ...] = ()) -> bool:
-        """SIGKILL every process in the cgroup but the caller and ``keep`` until none is left;
-        True if none is."""
+    def kill_all(self, deadline_s: float = 10.0, keep: tuple[int, ...] = ()) -> bool:
+        """SIGKILL every process in the cgroup but the caller and ``keep`` until none is left
+        (killed processes still need CPU to exit: on a loaded host that takes seconds); True
+        if none is."""
         end = time.monotonic() + deadline_s
         spared = {os.getpid(), *keep}
         while True:

@@ -172,7 +172,7 @@ def smollm2_cpu() -> TrainConfig:
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
         data=DataConfig(eval_size=32, eval_samples=1),
-        trainer=TrainerConfig(steps=30, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=10, eval_every=5),
+        trainer=TrainerConfig(steps=10, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=5, eval_every=5),
     )
 
 

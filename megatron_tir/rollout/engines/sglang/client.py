@@ -143,6 +143,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine is bound to (None until first used)."""
+        return self._loop
+
     async def start(self) -> None:
         """Open the HTTP session and start health checks (``generate`` does this on first use)."""
         if self._closed:
