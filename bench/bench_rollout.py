@@ -107,12 +107,11 @@ async def replay(engine, per_traj, max_in_flight: int):
 
 async def run(args) -> dict:
     from megatron_tir.data import Problem, load_problems
-    from megatron_tir.rollout import ClusterSandbox, RolloutConfig, TIRRollout, flatten
+    from megatron_tir.rollout import RolloutConfig, TIRRollout, flatten
     from megatron_tir.rollout.engines.base import SamplingParams
-    from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+    from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine, open_sandbox
     from megatron_tir.rollout.instrument import InstrumentedEngine
     from megatron_tir.tir import PromptConfig
-    from sandbox_cluster import LocalCluster
 
     if args.data == "tasks":
         problems = [Problem(index=i, messages=({"role": "user", "content": q},), ground_truth=a)
@@ -121,20 +120,18 @@ async def run(args) -> dict:
         problems = load_problems(args.data, limit=args.problems)
     prompt = PromptConfig(mode="chat", instruction=INSTRUCTION,
                           response_prefix="" if args.data == "tasks" else "```python\n")
-    engine = LocalEngine(LocalEngineConfig(model=args.model, max_batch_size=args.batch_size, seed=args.seed))
+    engine, tokenizer = build_engine(EngineConfig(model=args.model, max_batch_size=args.batch_size, seed=args.seed))
     cfg = RolloutConfig(n_samples=args.samples, max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
                         temperature=args.temperature, seed=args.seed, max_in_flight=args.max_in_flight,
                         prompt=prompt)
     try:
         # Warm the engine (first forward passes allocate and tune) before timing anything.
-        await engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_new_tokens=8, seed=0))
-        with LocalCluster(workers=args.sandbox_workers) as cluster:
-            sandbox = ClusterSandbox.connect(cluster.address)
+        await engine.generate(tokenizer.encode("Hello"), SamplingParams(max_new_tokens=8, seed=0))
+        with open_sandbox(SandboxConfig(workers=args.sandbox_workers)) as sandbox:
             inst = InstrumentedEngine(engine)
             t0 = time.perf_counter()
-            groups = await TIRRollout(inst, engine.tokenizer, sandbox, cfg).run(problems)
+            groups = await TIRRollout(inst, tokenizer, sandbox, cfg).run(problems)
             wall_tools = time.perf_counter() - t0
-            sandbox.close()
         trajs = flatten(groups)
         per_traj = map_calls_to_trajectories(trajs, inst.calls)
         wall_gen, same, total, replay_tokens = await replay(engine, per_traj, args.max_in_flight)
@@ -148,7 +145,7 @@ async def run(args) -> dict:
         "trajectories": len(trajs),
         "engine_requests": len(inst.calls),
         "tool_calls": len(tool_calls),
-        "tool_calls_ok": sum(tc.status == "ok" for tc in tool_calls),
+        "tool_calls_ok": sum(tc.result.ok for tc in tool_calls),
         "tool_wait_s_sum": sum(tc.latency_s for tc in tool_calls),
         "wall_rollout_with_tools_s": wall_tools,
         "wall_generation_only_replay_s": wall_gen,

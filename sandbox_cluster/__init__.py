@@ -34,10 +34,20 @@ silently; ``require_full_isolation=True`` refuses to start instead):
 - resources: wall-clock timeout (``timeout``), RLIMIT_CPU, memory (cgroup memory limit +
   RLIMIT_AS above the zygote's own size: ``memory``), processes (pids cgroup + RLIMIT_NPROC:
   fork bombs), file size (RLIMIT_FSIZE), open files, no core dumps;
+- the host's files: a cell runs in a root built for its slot (``rootfs``): a tmpfs holding
+  read-only binds of an allowlist computed at start from the interpreter (its prefixes,
+  ``sys.path``, the directories of the shared libraries it has mapped once numpy and sympy
+  are imported, its ELF loader, the system library dirs and the cell's ``PATH``, plus
+  ``--expose PATH``), a minimal /etc (generated passwd, group, hosts, nsswitch.conf and the
+  loader cache), a minimal /dev (null, zero, full, random, urandom), a /proc of its own pid
+  namespace, and nothing else: no home directories, no project checkout (hidden even where
+  an exposed directory holds it), no data, runs or checkpoints, whatever their mode (the
+  exposed trees are live views: what is added to them later shows too). The host's root is
+  detached (``pivot_root``).
+  The allowlist is logged once by each worker and shown by ``sandbox-cluster status``;
 - disk: /tmp (the working dir), /var/tmp and /dev/shm are private size-limited tmpfs
   mounts of the slot, wiped after every request (their pages count against the cell's
-  memory limit); every other mount but /proc, /sys and /dev is read-only in the zygote's
-  mount namespace (so no world-writable spot such as /run/lock can fill the host's disk);
+  memory limit); every other mount of the cells' root but /proc is read-only;
 - IPC: the zygote has its own IPC namespace where SysV message queues, semaphores, shared
   memory and POSIX message queues are disabled (nothing a cell could leave behind);
 - output: head and tail of stdout/stderr are kept (``*_truncated`` flags); past a hard cap
@@ -54,7 +64,9 @@ Not protected:
 
 - kernel or hardware exploits (no VM, no gVisor): a kernel bug reachable through the
   allowed syscalls escapes the sandbox;
-- reading world-readable files (the code, the virtualenv, /etc);
+- reading what the allowlist shows: the interpreter, its installed packages (any
+  installed module can be imported, ctypes included), the system's libraries and
+  binaries; whatever an operator puts in those trees (or exposes) is readable by cells;
 - CPU contention between cells (no CPU quota beyond RLIMIT_CPU), timing side channels;
 - a cell can write to its own stdout as fast as it likes up to the hard cap;
 - a cell reports its own end (exit code, CPU time) through a page of memory it shares with
@@ -69,8 +81,8 @@ Not protected:
   wiped right after the cell's tree is killed, but the zygote runs in between): that
   request is then retried once and answered ``sandbox_error``, and the zygote is restarted
   (a bounded DoS);
-- the interpreter and libraries of the host are whatever the worker runs; the cell can
-  import any installed module (including ctypes) within the limits above.
+- the interpreter and libraries of the host are whatever the worker runs, within the
+  limits above.
 """
 
 from .client import ClientConfig, SandboxClient

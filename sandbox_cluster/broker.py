@@ -1,8 +1,10 @@
 """The broker: a ROUTER for clients, a ROUTER for workers, a bounded queue between them.
 
 Workers announce idle slots (READY) and the broker sends each request only to an idle
-slot, so no request waits behind a slow cell. Every request the broker accepts gets
-exactly one reply:
+slot, so no request waits behind a slow cell. The broker tells the client ACCEPTED when it
+takes a request; a copy of a request it holds (same client, same id: a client resends
+until ACCEPTED comes, since ZeroMQ drops what it hands to a dying connection) is not taken
+again. Every request the broker accepts gets exactly one reply:
 
 - its result (the first one from the worker it is assigned to; late or duplicate results
   from a worker that was given up on are dropped),
@@ -95,6 +97,7 @@ class _Worker:
     protections: list[P.Protection]
     uids: list[int]
     instance: str
+    exposed: list[str] = field(default_factory=list)
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -116,6 +119,7 @@ class Broker:
         self.worker_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.queue: collections.deque[_Task] = collections.deque()
         self.tasks: dict[str, _Task] = {}
+        self._accepted: dict[tuple[bytes, str], str] = {}  # (client, its request id) -> key, until answered
         self.workers: dict[bytes, _Worker] = {}
         self.served = self.retried = self.rejected = 0
         self._prefix = uuid.uuid4().hex[:8]
@@ -193,6 +197,9 @@ class Broker:
         except ValueError as exc:
             self._reply(client, P.ExecResult(id=P.salvage_id(body[0]), status=P.Status.ERROR, message=str(exc)))
             return
+        if (client, req.id) in self._accepted:  # a resend whose first copy got here: say so again
+            self.frontend.send_multipart([client, P.KIND_ACCEPTED, req.id.encode()])
+            return
         self._dispatch()
         if len(self.queue) >= self.config.max_queue and not self._has_free_slot():
             self.rejected += 1
@@ -206,8 +213,15 @@ class Broker:
                      payload=P.encode(msgspec.structs.replace(req, id=key)),
                      expires=time.monotonic() + req.max_queue_s if req.max_queue_s is not None else math.inf)
         self.tasks[key] = task
+        self._accepted[(client, req.id)] = key
         self.queue.append(task)
+        self.frontend.send_multipart([client, P.KIND_ACCEPTED, req.id.encode()])
         self._dispatch()
+
+    def _forget(self, task: _Task) -> None:
+        """The task is answered: drop it (a later copy of its request would be a new one)."""
+        del self.tasks[task.key]
+        self._accepted.pop((task.client, task.client_id), None)
 
     def _has_free_slot(self) -> bool:
         return any(w.free > 0 for w in self.workers.values())
@@ -255,7 +269,7 @@ class Broker:
         if worker is None:
             worker = _Worker(identity=identity, name=hello.name, slots=hello.slots, free=0,
                              last_seen=time.monotonic(), protections=list(hello.protections),
-                             uids=list(hello.uids), instance=hello.instance)
+                             uids=list(hello.uids), instance=hello.instance, exposed=list(hello.exposed))
             for key in adopted:
                 self.tasks[key].worker = identity
             worker.in_flight |= adopted
@@ -272,14 +286,14 @@ class Broker:
             log.info("dropping a late result for %s from %s", result.id, worker.name)
             return
         worker.in_flight.discard(task.key)
-        del self.tasks[task.key]
+        self._forget(task)
         self.served += 1
         self._reply(task.client, msgspec.structs.replace(result, id=task.client_id))
 
     def _retry_or_fail(self, task: _Task, reason: str) -> None:
         task.worker = None
         if task.attempts >= self.config.max_attempts:
-            del self.tasks[task.key]
+            self._forget(task)
             log.error("request %s failed %d times; answering sandbox_error (%s)", task.key, task.attempts, reason)
             self._reply(task.client, P.ExecResult(
                 id=task.client_id, status=P.Status.SANDBOX_ERROR,
@@ -302,7 +316,7 @@ class Broker:
         """Answer a task that waited past its max_queue_s without ever running; True if it did."""
         if task.attempts or now < task.expires:
             return False
-        del self.tasks[task.key]
+        self._forget(task)
         self.rejected += 1
         self._reply(task.client, P.ExecResult(
             id=task.client_id, status=P.Status.OVERLOADED,
@@ -339,7 +353,8 @@ class Broker:
     def status(self) -> P.ClusterStatus:
         return P.ClusterStatus(
             workers=[P.WorkerInfo(name=w.name, slots=w.slots, free=w.free, in_flight=len(w.in_flight),
-                                  protections=w.protections, uids=w.uids) for w in self.workers.values()],
+                                  protections=w.protections, uids=w.uids, exposed=w.exposed)
+                     for w in self.workers.values()],
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),
             max_queue=self.config.max_queue,

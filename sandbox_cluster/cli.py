@@ -1,11 +1,12 @@
 """``sandbox-cluster``: serve, broker, worker, run, status, bench.
 
     sandbox-cluster serve --bind tcp://0.0.0.0:5555 --workers 8      # broker + local workers
+    sandbox-cluster serve --bind tcp://0.0.0.0:5555 --expose /opt/tables  # cells also see /opt/tables
     sandbox-cluster broker --bind tcp://0.0.0.0:5555                 # broker only (workers at port+1)
     sandbox-cluster worker --connect tcp://broker-host:5556 --slots 8  # workers on another node
     sandbox-cluster run cell.py --connect tcp://broker-host:5555      # or no --connect: throwaway cluster
     sandbox-cluster status --connect tcp://broker-host:5555
-    sandbox-cluster bench
+    sandbox-cluster bench                                            # runs bench/bench_sandbox.py
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ import zmq
 log = logging.getLogger("sandbox_cluster")
 
 
-def _limits(text: str | None):
+def _limits(text: str | None, expose: list[str] | None = None):
     from .limits import SandboxLimits
 
-    return SandboxLimits.from_json(text) if text else SandboxLimits()
+    limits = SandboxLimits.from_json(text) if text else SandboxLimits()
+    if expose:
+        for path in expose:
+            if not os.path.exists(path):
+                raise ValueError(f"--expose {path}: no such file or directory")
+        limits = dataclasses.replace(limits, expose=[*limits.expose, *(os.path.abspath(p) for p in expose)])
+    return limits
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -49,7 +56,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from .isolation import boost_priority
     from .worker import Worker, WorkerConfig
 
-    limits = _limits(args.limits)
+    limits = _limits(args.limits, args.expose)
     cell_nice = boost_priority(args.priority_boost)  # the zygotes inherit the boost; cells get the old value
     config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=limits,
                           heartbeat_interval_s=args.heartbeat_interval, heartbeat_liveness=args.heartbeat_liveness,
@@ -62,7 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
 
-    limits = dataclasses.asdict(_limits(args.limits))  # validated here, at the edge
+    limits = dataclasses.asdict(_limits(args.limits, args.expose))  # validated here, at the edge
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -95,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         from .cluster import LocalCluster
 
-        quiet = "WARNING" if args.log_level == "INFO" else args.log_level
+        quiet = "warning" if args.log_level == "info" else args.log_level
         with LocalCluster(workers=1, log_level=quiet) as cluster:  # only problems from a throwaway cluster
             result = execute(cluster.address)
     if args.json:
@@ -123,19 +130,28 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"served={status.served} retried={status.retried} rejected={status.rejected}")
     for w in status.workers:
         missing = [p.name for p in w.protections if not p.active]
+        seen = f"only {', '.join(w.exposed)} (read-only)" if w.exposed else "the host's whole tree"
         print(f"  {w.name}: {w.slots} slot(s), {w.free} idle, {w.in_flight} running"
-              + (f"; MISSING: {', '.join(missing)}" if missing else "; full isolation"))
+              + (f"; MISSING: {', '.join(missing)}" if missing else "; full isolation") + f"; cells see {seen}")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib.util
+    from pathlib import Path
+
     from rich.console import Console
 
-    from .bench import BenchConfig, run_bench
-
-    config = BenchConfig(requests=args.requests, workers=args.workers, fresh_requests=args.fresh_requests,
-                         rounds=args.rounds)
-    report = run_bench(config, Console(stderr=args.json))  # with --json, stdout is only the JSON
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_sandbox.py"
+    if not script.is_file():
+        raise ValueError(f"the benchmark is bench/bench_sandbox.py of a checkout; not found at {script}")
+    spec = importlib.util.spec_from_file_location("bench_sandbox", script)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_sandbox"] = bench  # (its dataclasses look their module up)
+    spec.loader.exec_module(bench)
+    config = bench.BenchConfig(requests=args.requests, workers=args.workers, fresh_requests=args.fresh_requests,
+                               rounds=args.rounds, baseline_tree=args.baseline_tree or "")
+    report = bench.run_bench(config, Console(stderr=args.json))  # with --json, stdout is only the JSON
     if args.json:
         print(json.dumps(report, indent=2))
     return 0 if report["targets_met"] else 1
@@ -162,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sandbox-cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Isolated, warm execution of model-written Python over ZeroMQ.",
         epilog="examples:\n" + __doc__.split("\n\n", 1)[1])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def heartbeat(p: argparse.ArgumentParser) -> None:
@@ -179,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-per-worker", type=int, default=1)
     p.add_argument("--max-queue", type=int, default=10_000)
     p.add_argument("--limits", help='JSON of SandboxLimits fields, e.g. \'{"max_processes": 32}\'')
+    p.add_argument("--expose", action="append", metavar="PATH",
+                   help="also show this host path, read-only, to the cells (repeatable)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("broker", help="broker only; workers connect from other nodes")
@@ -193,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--name")
     p.add_argument("--limits", help="JSON of SandboxLimits fields")
+    p.add_argument("--expose", action="append", metavar="PATH",
+                   help="also show this host path, read-only, to the cells (repeatable)")
     p.add_argument("--uid-base", type=int, default=61000, help="first uid tried for the per-slot users")
     heartbeat(p)
     p.set_defaults(func=cmd_worker)
@@ -218,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-requests", type=int, default=16, help="fresh-interpreter calls per (snippet, concurrency)")
     p.add_argument("--workers", type=int, default=0, help="cluster workers (default: number of cores)")
     p.add_argument("--rounds", type=int, default=8, help="interleaved blocks per mode (fair under background load)")
+    p.add_argument("--baseline-tree", metavar="DIR", help="another checkout whose cluster is measured beside this one")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (tables go to stderr)")
     p.set_defaults(func=cmd_bench)
     return parser
@@ -225,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     try:
         return args.func(args)

@@ -4,9 +4,12 @@ Every call returns an ``ExecResult``; infrastructure trouble is a result too, ne
 exception: no reply before the client deadline (cell timeout + ``deadline_slack_s``) is
 ``sandbox_error``. Each request tells the broker how long it may wait in the queue (what
 is left of the slack), so work the caller gave up on is answered ``overloaded`` instead of
-run. Only ``overloaded`` is retried (the broker did not accept the request,
-so retrying cannot run it twice); arguments that would not pass the broker's validation
-raise ``ValueError`` before anything is sent.
+run. A request is sent again until the broker says ACCEPTED (ZeroMQ drops a message handed
+to a connection that is dying, e.g. while the broker restarts; a copy that reaches a broker
+still holding the request is not taken again, and ACCEPTED comes within milliseconds, long
+before a copy is sent). Only ``overloaded`` is retried (the broker did not accept
+the request, so retrying cannot run it twice); arguments that would not pass the broker's
+validation raise ``ValueError`` before anything is sent.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ class ClientConfig:
     retry_overloaded: bool = True
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+    resend_after_s: float = 1.0  # no ACCEPTED by then: send the request again (doubling, up to 8 s)
 
     def __post_init__(self) -> None:
         if not 0 < self.deadline_slack_s <= P.MAX_QUEUE_S:
             raise ValueError(f"deadline_slack_s={self.deadline_slack_s} outside (0, {P.MAX_QUEUE_S:g}]")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        if not 0 < self.resend_after_s <= 60:
+            raise ValueError(f"resend_after_s={self.resend_after_s} outside (0, 60]")
 
 
 class _AsyncState:
@@ -50,6 +56,7 @@ class _AsyncState:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
         self.pending: dict[str, asyncio.Future] = {}
+        self.accepted: set[str] = set()  # ids of pending requests the broker has taken
         self.status_waiters: list[asyncio.Future] = []
         self.receiver = self.loop.create_task(self._receive())
 
@@ -65,6 +72,10 @@ class _AsyncState:
                 fut = self.pending.pop(result.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(result)
+            elif len(frames) == 2 and frames[0] == P.KIND_ACCEPTED:
+                rid = frames[1].decode(errors="replace")
+                if rid in self.pending:
+                    self.accepted.add(rid)
             elif len(frames) == 2 and frames[0] == P.KIND_STATUS:
                 while self.status_waiters:
                     fut = self.status_waiters.pop(0)
@@ -132,8 +143,7 @@ class SandboxClient:
         with self._lock:
             sock = self._sync_socket()
             while True:
-                sock.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
-                result = self._wait_sync(sock, rid, deadline)
+                result = self._send_and_wait_sync(sock, req, deadline)
                 if result is None:
                     return self._deadline_result(rid, time.monotonic() - start)
                 if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded
@@ -149,17 +159,29 @@ class SandboxClient:
             self._sync.connect(self.address)
         return self._sync
 
-    @staticmethod
-    def _wait_sync(sock: zmq.Socket, rid: str, deadline: float) -> P.ExecResult | None:
+    def _send_and_wait_sync(self, sock: zmq.Socket, req: P.ExecRequest, deadline: float) -> P.ExecResult | None:
+        """Send ``req`` (again, until ACCEPTED) and wait for its result; None past the deadline."""
+        accepted = False
+        resend_after = self.config.resend_after_s
+        next_send = time.monotonic()
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if not accepted and now >= next_send:
+                sock.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
+                next_send, resend_after = now + resend_after, min(2 * resend_after, 8.0)
+            until = deadline if accepted else min(deadline, next_send)
+            remaining = until - time.monotonic()
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
-                return None
+                if time.monotonic() >= deadline:
+                    return None
+                continue
             frames = sock.recv_multipart()
             if len(frames) == 2 and frames[0] == P.KIND_RESULT:
                 result = P.decode_result(frames[1])
-                if result.id == rid:
+                if result.id == req.id:
                     return result
+            elif len(frames) == 2 and frames[0] == P.KIND_ACCEPTED and frames[1] == req.id.encode():
+                accepted = True
             # anything else is a late reply to an earlier, abandoned call: drop it
 
     async def arun(self, code: str, *, timeout: float = 10.0, memory_mb: int = 1024,
@@ -173,13 +195,27 @@ class SandboxClient:
         while True:
             fut = state.loop.create_future()
             state.pending[rid] = fut
-            await state.socket.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
             try:
-                result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                return self._deadline_result(rid, time.monotonic() - start)
+                resend_after = self.config.resend_after_s
+                while True:  # sent again until the broker has taken it
+                    await state.socket.send_multipart([P.KIND_EXEC, self._payload(req, deadline)])
+                    wait = deadline - time.monotonic()
+                    try:
+                        result = await asyncio.wait_for(asyncio.shield(fut), max(0.0, min(wait, resend_after)))
+                        break
+                    except TimeoutError:
+                        if time.monotonic() >= deadline:
+                            return self._deadline_result(rid, time.monotonic() - start)
+                        if rid in state.accepted:
+                            try:
+                                result = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+                            except TimeoutError:
+                                return self._deadline_result(rid, time.monotonic() - start)
+                            break
+                        resend_after = min(2 * resend_after, 8.0)
             finally:  # answered, timed out or cancelled by the caller: nothing waits for this id now
                 state.pending.pop(rid, None)
+                state.accepted.discard(rid)
             if (result.status is not P.Status.OVERLOADED or not self.config.retry_overloaded
                     or time.monotonic() + backoff >= deadline):
                 return result

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from .broker import derive_worker_endpoint
 from .client import SandboxClient
@@ -30,6 +31,9 @@ from .limits import SandboxLimits
 from .protocol import ClusterStatus
 
 log = logging.getLogger(__name__)
+
+# The broker and workers run this very sandbox_cluster (not whatever the cwd or site-packages hold).
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 class LocalCluster:
@@ -45,7 +49,7 @@ class LocalCluster:
         heartbeat_liveness: int = 6,
         restart_workers: bool = True,
         env: dict[str, str] | None = None,
-        log_level: str = "WARNING",
+        log_level: str = "warning",
         priority_boost: int = 5,
         start_timeout_s: float = 180.0,
         **limits,
@@ -66,7 +70,8 @@ class LocalCluster:
         self.n_workers = workers
         self.slots_per_worker = slots_per_worker
         self.restart_workers = restart_workers
-        self._env = dict(os.environ, **(env or {}))
+        search = [_PACKAGE_PARENT, *filter(None, [os.environ.get("PYTHONPATH")])]
+        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(search), **(env or {})}
         self._log_level = log_level
         self._hb = (heartbeat_interval_s, heartbeat_liveness)
         if address is not None:
@@ -96,7 +101,7 @@ class LocalCluster:
     # ---- processes
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
+        return [sys.executable, "-P", "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
                 "--priority-boost", str(self._priority_boost), "--exit-with-parent"]
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:

@@ -2,8 +2,8 @@
 
 ``fork()`` copies one page-table entry per 4 KiB page of private memory and the child's exit
 tears them down again: for a zygote holding ~80 MiB of numpy/sympy state that is most of the
-cost of a cell on a virtual machine (``python bench/bench_fork.py`` here: a bare fork + exit
-6.2-6.9 ms with 4 KiB pages, 3.1-3.3 ms once the heap is in 2 MiB pages). ``MADV_COLLAPSE`` (Linux >= 6.1) rewrites an
+cost of a cell on a virtual machine (``python bench/bench_fork.py`` measures both page sizes).
+``MADV_COLLAPSE`` (Linux >= 6.1) rewrites an
 already-populated range into huge pages synchronously, whatever the host's THP mode short of
 ``never``. A write after fork splits only the 2 MiB entry it lands in, and the child copies
 4 KiB as before, so cells see the same memory. The zygote's own writes between forks split

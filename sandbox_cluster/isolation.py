@@ -20,11 +20,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
-_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-_libc.unshare.argtypes = (ctypes.c_int,)
-_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+libc.unshare.argtypes = (ctypes.c_int,)
+libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -56,19 +56,19 @@ WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WORKDIR = "/tmp"
 
 
-def _check(ret: int, what: str) -> None:
+def check(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def unshare(flags: int) -> None:
-    _check(_libc.unshare(flags), "unshare")
+    check(libc.unshare(flags), "unshare")
 
 
 def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(
-        _libc.mount(
+    check(
+        libc.mount(
             source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
             data.encode() if data else None,
         ),
@@ -77,16 +77,10 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
 
 
 def prctl(option: int, arg: int = 0) -> None:
-    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+    check(libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
 # --------------------------------------------------------------------------- namespaces / mounts
-
-
-def enter_private_namespaces() -> None:
-    """Give the calling process (the zygote) an empty network namespace and a private mount namespace."""
-    unshare(CLONE_NEWNET | CLONE_NEWNS)
-    mount("none", "/", None, MS_REC | MS_PRIVATE)
 
 
 # Kept writable in the zygote's mount namespace: the zygote manages cgroups under /sys and a
@@ -95,16 +89,17 @@ _KEEP_WRITABLE = ("/proc", "/sys", "/dev")
 _MOUNT_FLAG_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
 
 
-def remount_read_only(keep: list[str]) -> int:
-    """Make every mount but ``keep``, /proc, /sys and /dev read-only (in the caller's private
-    mount namespace), so a cell can write nowhere on the host (e.g. a world-writable /run/lock)."""
+def remount_read_only(keep: list[str], keep_trees: tuple[str, ...] = _KEEP_WRITABLE) -> int:
+    """Make every mount but ``keep`` and those under ``keep_trees`` read-only (in the caller's
+    private mount namespace), so a cell can write nowhere on the host (e.g. a world-writable
+    /run/lock)."""
     done = 0
     with open("/proc/self/mountinfo") as f:
         lines = f.read().splitlines()
     for line in lines:
         fields = line.split()
         target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if target in keep or any(target == k or target.startswith(k + "/") for k in _KEEP_WRITABLE):
+        if target in keep or any(target == k or target.startswith(k + "/") for k in keep_trees):
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in fields[5].split(","):
@@ -112,83 +107,6 @@ def remount_read_only(keep: list[str]) -> int:
         mount("none", target, None, flags)
         done += 1
     return done
-
-
-# open_tree(2) / move_mount(2): the same numbers on every architecture (Linux >= 5.2).
-_SYS_OPEN_TREE = 428
-_SYS_MOVE_MOUNT = 429
-_OPEN_TREE_CLONE = 1
-_MOVE_MOUNT_F_EMPTY_PATH = 0x4
-_AT_FDCWD = -100
-_MNT_DETACH = 2
-
-
-def _can_traverse(st: os.stat_result, uid: int, gid: int, need: int) -> bool:
-    """Whether ``uid``/``gid`` (no supplementary groups) has the ``need`` bits (octal 1/4) on ``st``."""
-    if st.st_uid == uid:
-        return bool(st.st_mode & (need << 6))
-    if st.st_gid == gid:
-        return bool(st.st_mode & (need << 3))
-    return bool(st.st_mode & need)
-
-
-def _blocking_ancestor(path: str, uid: int, gid: int) -> str | None:
-    """The highest ancestor of ``path`` that ``uid`` cannot traverse; None if there is none."""
-    parts = path.strip("/").split("/")
-    for ancestor in ["/"] + ["/" + "/".join(parts[: i + 1]) for i in range(len(parts) - 1)]:
-        if not _can_traverse(os.stat(ancestor), uid, gid, 0o1):
-            return ancestor
-    return None
-
-
-def expose_import_dirs(dirs: list[str], uid: int, gid: int) -> list[str]:
-    """Make ``dirs`` (the interpreter's import directories) readable for ``uid`` without
-    widening anything else, in the caller's private mount namespace.
-
-    E.g. a Python installed under a 0700 /root: a small tmpfs (mode 0755) covers /root, so the
-    rest of /root is hidden, and each import directory is bind-mounted back at its own path
-    (open_tree + move_mount, cloned before the tmpfs hides it); the tmpfs and the binds become
-    read-only with every other mount. Returns the directories exposed."""
-    by_blocker: dict[str, list[str]] = {}
-    for d in sorted({os.path.realpath(d) for d in dirs}):
-        blocker = _blocking_ancestor(d, uid, gid)
-        if blocker is None or blocker == "/" or blocker in WORLD_WRITABLE_DIRS or \
-                any(blocker == k or blocker.startswith(k + "/") for k in _KEEP_WRITABLE):
-            continue
-        st = os.stat(d)
-        if not (_can_traverse(st, uid, gid, 0o1) and _can_traverse(st, uid, gid, 0o4)):
-            continue  # the directory itself is closed: a bind does not change that
-        kept = by_blocker.setdefault(blocker, [])
-        if not any(d == k or d.startswith(k + "/") for k in kept):
-            kept.append(d)
-    exposed = []
-    for blocker, kept in by_blocker.items():
-        clones = []
-        try:
-            for d in kept:
-                fd = _libc.syscall(ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_long(_AT_FDCWD), d.encode(),
-                                   ctypes.c_long(_OPEN_TREE_CLONE | os.O_CLOEXEC))
-                if fd < 0:
-                    _check(-1, f"open_tree {d}")
-                clones.append((d, fd))
-            st = os.stat(blocker)
-            mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV,
-                  f"size=1m,mode=0755,uid={st.st_uid},gid={st.st_gid}")
-            try:
-                for d, fd in clones:
-                    os.makedirs(d, mode=0o755, exist_ok=True)
-                    _check(_libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_long(fd), b"",
-                                         ctypes.c_long(_AT_FDCWD), d.encode(),
-                                         ctypes.c_long(_MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {d}")
-                    exposed.append(d)
-            except OSError:  # never leave the interpreter's own files hidden behind a half-built tmpfs
-                _libc.umount2(blocker.encode(), _MNT_DETACH)
-                exposed = [d for d in exposed if d not in kept]
-                raise
-        finally:
-            for _, fd in clones:
-                os.close(fd)
-    return exposed
 
 
 def disable_ipc() -> None:
@@ -205,26 +123,34 @@ def disable_ipc() -> None:
         f.write(f"{semmsl} {semmns} {semopm} 0")
 
 
-def mount_private_tmpfs(size_mb: int, uid: int, gid: int) -> list[str]:
-    """Mount a size-limited tmpfs owned by the slot uid over each world-writable dir; returns the mount points."""
+def mount_private_tmpfs(size_mb: int, uid: int, gid: int, root: str = "", sticky: tuple[str, ...] = ()) -> list[str]:
+    """Mount a size-limited tmpfs owned by the slot uid over each world-writable dir under
+    ``root`` (creating it there if ``root`` is given); returns the mount points (without
+    ``root``). Those in ``sticky`` are root's and mode 1777 instead, like a host's /tmp."""
     mounted = []
     for path in WORLD_WRITABLE_DIRS:
-        if not os.path.isdir(path):
+        if root:
+            os.makedirs(root + path, mode=0o755, exist_ok=True)
+        elif not os.path.isdir(path):
             continue
-        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0700,uid={uid},gid={gid}")
+        mode = "1777,uid=0,gid=0" if path in sticky else f"0700,uid={uid},gid={gid}"
+        mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode={mode}")
         mounted.append(path)
     if WORKDIR not in mounted:
         raise RuntimeError(f"{WORKDIR} does not exist; no working directory")
     return mounted
 
 
-def wipe_dir(path: str) -> None:
-    """Remove everything inside ``path`` (as root: a cell's chmod tricks do not stop it)."""
+def wipe_dir(path: str, keep: frozenset[str] | set[str] = frozenset()) -> None:
+    """Remove everything inside ``path`` but the entries named in ``keep`` (full paths: root's
+    directories that lead to an exposed tree), as root: a cell's chmod tricks do not stop it."""
     try:
         entries = list(os.scandir(path))
     except FileNotFoundError:
         return
     for entry in entries:
+        if entry.path in keep:
+            continue
         try:
             if entry.is_dir(follow_symlinks=False):
                 os.chmod(entry.path, 0o700)
@@ -302,15 +228,21 @@ def _own_cgroup_path(controller: str) -> str:
 
 
 class SlotCgroup:
-    """One v1 cgroup directory of one controller (memory or pids) for one slot."""
+    """One v1 cgroup directory of one controller (memory or pids) for one slot, held by open
+    directory fds: it stays reachable after the zygote pivots into the cells' root (no /sys)."""
 
     def __init__(self, controller: str, name: str) -> None:
         root = Path("/sys/fs/cgroup") / controller
         if not (root / "cgroup.procs").exists():
             raise RuntimeError(f"cgroup v1 controller {controller} is not mounted at {root}")
-        self.origin = root / _own_cgroup_path(controller).lstrip("/")
-        self.path = self.origin / "sandbox-cluster" / name
+        origin = root / _own_cgroup_path(controller).lstrip("/")
+        self.path = origin / "sandbox-cluster" / name
         self.path.mkdir(parents=True, exist_ok=True)
+        self._name = name
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+        self._origin_fd = os.open(origin, flags)
+        self._parent_fd = os.open(self.path.parent, flags)
+        self._fd = os.open(self.path, flags)
         self.kill_all()
 
     def enter(self) -> None:
@@ -318,15 +250,22 @@ class SlotCgroup:
         migration (a v1 cgroup migration waits for an RCU grace period: milliseconds)."""
         self.write("cgroup.procs", 0)
 
-    def write(self, key: str, value: str | int) -> None:
-        fd = os.open(self.path / key, os.O_WRONLY)
+    def has(self, key: str) -> bool:
+        try:
+            os.stat(key, dir_fd=self._fd)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def write(self, key: str, value: str | int, dir_fd: int | None = None) -> None:
+        fd = os.open(key, os.O_WRONLY, dir_fd=self._fd if dir_fd is None else dir_fd)
         try:
             os.write(fd, str(value).encode())
         finally:
             os.close(fd)
 
     def read(self, key: str) -> str:
-        fd = os.open(self.path / key, os.O_RDONLY)
+        fd = os.open(key, os.O_RDONLY, dir_fd=self._fd)
         try:
             return os.read(fd, 1 << 16).decode()
         finally:
@@ -335,9 +274,10 @@ class SlotCgroup:
     def pids(self) -> list[int]:
         return [int(x) for x in self.read("cgroup.procs").split()]
 
-    def kill_all(self, deadline_s: float = 2.0, keep: tuple[int, ...] = ()) -> bool:
-        """SIGKILL every process in the cgroup but the caller and ``keep`` until none is left;
-        True if none is."""
+    def kill_all(self, deadline_s: float = 10.0, keep: tuple[int, ...] = ()) -> bool:
+        """SIGKILL every process in the cgroup but the caller and ``keep`` until none is left
+        (killed processes still need CPU to exit: on a loaded host that takes seconds); True
+        if none is."""
         end = time.monotonic() + deadline_s
         spared = {os.getpid(), *keep}
         while True:
@@ -357,13 +297,15 @@ class SlotCgroup:
     def remove(self) -> None:
         self.kill_all()
         try:
-            (self.origin / "cgroup.procs").write_text("0")  # leave, so the directory can go
+            self.write("cgroup.procs", 0, dir_fd=self._origin_fd)  # leave, so the directory can go
         except OSError:
             pass
         try:
-            self.path.rmdir()
+            os.rmdir(self._name, dir_fd=self._parent_fd)
         except OSError as exc:
             log.warning("could not remove cgroup %s: %s", self.path, exc)
+        for fd in (self._fd, self._parent_fd, self._origin_fd):
+            os.close(fd)
 
 
 def memory_oom_kills(cg: SlotCgroup) -> int:
@@ -452,7 +394,7 @@ class CompiledSeccomp:
 
     def load(self) -> None:
         prctl(PR_SET_NO_NEW_PRIVS, 1)
-        _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog), 0, 0),
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog), 0, 0),
                "prctl(PR_SET_SECCOMP)")
 
 

@@ -22,6 +22,8 @@ class SandboxLimits:
     output_tail_bytes: int = 8 << 10  # ... and from the end when a stream is truncated
     output_hard_cap_bytes: int = 8 << 20  # stdout+stderr past this: the cell is killed (output_limit)
     require_full_isolation: bool = False  # refuse to start when the host cannot give a protection
+    # Host paths shown read-only in the cells' root besides those the interpreter needs (--expose).
+    expose: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 4 <= self.max_processes <= 4096:
@@ -36,6 +38,9 @@ class SandboxLimits:
             raise ValueError(f"cpu_slack_s={self.cpu_slack_s} outside [0, 60]")
         if self.output_head_bytes < 0 or self.output_tail_bytes < 0:
             raise ValueError("output_head_bytes and output_tail_bytes must be >= 0")
+        for path in self.expose:
+            if not isinstance(path, str) or not path.startswith("/") or path == "/":
+                raise ValueError(f"expose: {path!r} is not an absolute path below /")
         if self.output_hard_cap_bytes < self.output_head_bytes + self.output_tail_bytes:
             raise ValueError(
                 f"output_hard_cap_bytes={self.output_hard_cap_bytes} is smaller than head+tail "
@@ -43,7 +48,10 @@ class SandboxLimits:
             )
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The fields that differ from their defaults (``from_json`` fills in the rest)."""
+        default = SandboxLimits()
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if getattr(self, f.name) != getattr(default, f.name)})
 
     @classmethod
     def from_json(cls, text: str) -> SandboxLimits:

@@ -7,10 +7,12 @@ Messages are msgspec Structs encoded with msgpack. A client sends an
 from __future__ import annotations
 
 import enum
+import socket
+import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Hard bounds enforced at the broker edge (a request past them is answered ``error``).
 MAX_CODE_BYTES = 1 << 20  # 1 MiB of source
@@ -105,7 +107,11 @@ def decode_result(data: bytes) -> ExecResult:
 #
 # Every ZeroMQ message is multipart: ``[kind, payload?]``.
 #   client -> broker : EXEC <ExecRequest> | STATUS
-#   broker -> client : RESULT <ExecResult> | STATUS <ClusterStatus>
+#   broker -> client : ACCEPTED <request id> | RESULT <ExecResult> | STATUS <ClusterStatus>
+#
+# ZeroMQ drops a message handed to a connection that is dying (a broker restarting): a
+# client resends a request until the broker says ACCEPTED (or answers it); a copy that
+# reaches a broker still holding that client's request id is only acknowledged again.
 #   worker -> broker : READY <WorkerHello> | HEARTBEAT | RESULT <ExecResult>
 #                      | FAILED <SlotFailure> | BYE
 #   broker -> worker : EXEC <ExecRequest> | HEARTBEAT | RESET
@@ -119,6 +125,7 @@ KIND_HEARTBEAT = b"HEARTBEAT"
 KIND_FAILED = b"FAILED"
 KIND_BYE = b"BYE"
 KIND_RESET = b"RESET"
+KIND_ACCEPTED = b"ACCEPTED"
 
 
 class Protection(msgspec.Struct, kw_only=True, frozen=True):
@@ -139,6 +146,7 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     uids: list[int] = msgspec.field(default_factory=list)  # the per-slot users its cells run as
     instance: str = ""  # one per worker process: a reconnect replaces that process's old registration
     running: list[str] = msgspec.field(default_factory=list)  # request ids its slots are running now
+    exposed: list[str] = msgspec.field(default_factory=list)  # host paths its cells' root shows (read-only)
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -156,6 +164,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     in_flight: int
     protections: list[Protection] = msgspec.field(default_factory=list)
     uids: list[int] = msgspec.field(default_factory=list)
+    exposed: list[str] = msgspec.field(default_factory=list)
 
 
 class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -212,3 +221,50 @@ def salvage_id(data: bytes) -> str:
     if isinstance(obj, dict) and isinstance(obj.get("id"), str):
         return obj["id"][:256]
     return ""
+
+
+# ---------------------------------------------------------------------------
+# Worker <-> zygote: length-prefixed frames over a socketpair. The zygote's first frame is
+# a ``ZygoteHello``; then requests (``ExecRequest``) go in and results (``ExecResult``) out.
+# ---------------------------------------------------------------------------
+
+_LEN = struct.Struct("!I")
+
+
+class ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
+    """A zygote is warm: the layers it could set up and what its cells see of the host."""
+
+    protections: list[Protection]
+    exposed: list[str] = msgspec.field(default_factory=list)
+
+
+def decode_zygote_hello(data: bytes) -> ZygoteHello:
+    return msgspec.msgpack.decode(data, type=ZygoteHello)
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """One frame, or None on a clean EOF."""
+    header = _recv_exact(sock, _LEN.size)
+    if header is None:
+        return None
+    (size,) = _LEN.unpack(header)
+    payload = _recv_exact(sock, size)
+    if payload is None:
+        raise ConnectionError("peer closed mid-frame")
+    return payload
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(min(size - len(buf), 1 << 20))
+        if not chunk:
+            if buf:
+                raise ConnectionError("peer closed mid-frame")
+            return None
+        buf += chunk
+    return bytes(buf)

@@ -26,7 +26,8 @@ import zmq
 from . import protocol as P
 from .isolation import UidLease
 from .limits import SandboxLimits
-from .zygote import CELL_ENV, decode_zygote_hello, recv_frame, send_frame
+from .protocol import decode_zygote_hello, recv_frame, send_frame
+from .zygote import CELL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,14 @@ class ZygoteProcess:
         self.busy_deadline = 0.0  # past this the zygote is stuck: it is killed and the request retried
         self.credit_owed = False  # died while busy: the broker gets this slot back when it is ready again
         self.protections: list[P.Protection] = []
+        self.exposed: list[str] = []  # what the cells' root shows of the host
 
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(CELL_ENV, PYTHONPATH=_PACKAGE_PARENT)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
+            # -P: the worker's cwd is not on the zygote's sys.path (nor in the cells' root)
+            [sys.executable, "-P", "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
              "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid()),
              *(["--cell-nice", str(self.cell_nice)] if self.cell_nice is not None else [])],
             env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
@@ -152,6 +155,7 @@ class Worker:
         assert self.socket is not None
         hello = P.WorkerHello(name=self.config.name, slots=self.config.slots, free=free,
                               protections=self.protections(), uids=self._uids(), instance=self.instance,
+                              exposed=self.exposed(),
                               running=[s.busy_id for s in self.slots if s.busy_id is not None])
         self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
 
@@ -166,6 +170,10 @@ class Worker:
                 if p.name not in merged or (merged[p.name].active and not p.active):
                     merged[p.name] = p
         return list(merged.values())
+
+    def exposed(self) -> list[str]:
+        """The host paths the cells' root shows (the same on every slot)."""
+        return sorted({p for slot in self.slots for p in slot.exposed})
 
     def stop(self) -> None:
         self._stop = True
@@ -212,7 +220,8 @@ class Worker:
             if frame is None:
                 raise RuntimeError(f"zygote {slot.index} exited during start (see its log above)")
             slot.sock.settimeout(None)
-            slot.protections = decode_zygote_hello(frame)
+            hello = decode_zygote_hello(frame)
+            slot.protections, slot.exposed = hello.protections, hello.exposed
             slot.ready = True
 
     def _log_protections(self) -> None:
@@ -223,6 +232,8 @@ class Worker:
             raise RuntimeError(f"host cannot give: {', '.join(p.name for p in missing)} (require_full_isolation)")
         if missing:
             log.warning("running WITHOUT: %s", ", ".join(f"{p.name} ({p.detail})" for p in missing))
+        if self.exposed():
+            log.info("cells see these host paths (read-only): %s", ", ".join(self.exposed()))
 
     # ---- main loop
 
@@ -306,7 +317,8 @@ class Worker:
             self._zygote_died(slot, reason)
             return
         if not slot.ready:  # a restarted zygote finished warming up
-            slot.protections = decode_zygote_hello(frame)
+            hello = decode_zygote_hello(frame)
+            slot.protections, slot.exposed = hello.protections, hello.exposed
             slot.ready = True
             if not slot.credit_owed:
                 return
@@ -327,7 +339,3 @@ class Worker:
         if not was_ready:  # it died while warming up: something is wrong with this host, not with a cell
             raise RuntimeError(f"zygote {slot.index} failed to start again ({reason}); worker exits")
         slot.start()
-
-
-def run_worker(config: WorkerConfig) -> None:
-    Worker(config).run()

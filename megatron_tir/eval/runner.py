@@ -1,10 +1,14 @@
 """Evaluate a model with TIR rollouts: k samples per problem, rewards, metrics, per-sample JSONL.
 
-``run_eval(EvalConfig(...))`` loads the problems, builds the engine (the local torch
-engine, or SGLang servers), connects to a sandbox cluster (or starts a LocalCluster),
-runs every trajectory through :class:`~megatron_tir.rollout.TIRRollout` with a progress
-bar, writes one JSON line per trajectory as it finishes, and returns the metrics of
-:mod:`megatron_tir.eval.metrics`.
+``run_eval(EvalConfig(...))`` checks everything the user gave (data, model, engine and
+rollout settings) before anything slow starts, opens the sandbox and checks that it
+runs a program, builds the engine (:mod:`megatron_tir.rollout.factory`) and checks that
+it answers, runs every trajectory through :class:`~megatron_tir.rollout.TIRRollout` with
+a progress bar, writes one JSON line per trajectory as it finishes, and returns the
+metrics of :mod:`megatron_tir.eval.metrics`. When infrastructure (engine aborts, sandbox
+failures) ended more than ``max_infra_failure_share`` of the trajectories, it raises
+:class:`~megatron_tir.rollout.factory.InfrastructureError` instead: such metrics would
+describe the cluster, not the model.
 """
 
 from __future__ import annotations
@@ -13,104 +17,102 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_tir.eval.metrics import EvalMetrics, compute_metrics
-from megatron_tir.rollout.batch import Group
+from megatron_tir.eval.metrics import INFRA_STATUSES, EvalMetrics, compute_metrics
+from megatron_tir.rollout.batch import Group, flatten
+from megatron_tir.rollout.driver import RolloutConfig
+from megatron_tir.rollout.factory import (
+    EngineConfig,
+    InfrastructureError,
+    SandboxConfig,
+    build_engine,
+    engine_settings,
+    open_sandbox,
+    probe_engine,
+    probe_sandbox,
+    resolve_model_dir,
+)
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("local", "sglang")
+
+# Where the eval's rollout defaults differ from RolloutConfig's: 4 samples and 512 response
+# tokens, moderate for CPU (the papers use 16K-24K on GPUs).
+EVAL_ROLLOUT_DEFAULTS = {"n_samples": 4, "max_response_tokens": 512}
+
+
+def _eval_rollout() -> RolloutConfig:
+    return RolloutConfig(**EVAL_ROLLOUT_DEFAULTS)
 
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    model: str  # "smollm2" or an HF model directory (SGLang: where the tokenizer is)
-    data: str  # aime24 | aime25 | math500 | math_train | a parquet file
-    k: int = 4
-    limit: int | None = None  # first M problems
-    max_turns: int = 5
-    max_response_tokens: int = 512  # moderate for CPU; the papers use 16K-24K on GPUs
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    prompt_mode: str = "plain"  # plain | chat
+    data: str  # aime24 | aime25 | math500 | math_train | a verl parquet file
+    limit: int | None = None  # the first M problems
     out: str | None = None  # per-sample JSONL
-    sandbox: str | None = None  # broker address; None: start a LocalCluster
-    sandbox_workers: int = 2
-    tool_timeout_s: float = 10.0
-    engine: str = "local"
-    sglang_urls: tuple[str, ...] = ()
-    batch_size: int = 8  # local engine: requests decoded together
-    max_in_flight: int = 64
+    # More trajectories than this share ended by an engine abort or a sandbox failure: the
+    # eval fails (exit 1) instead of reporting metrics.
+    max_infra_failure_share: float = 0.05
+    probe_timeout_s: float = 120.0  # the start-up checks of the sandbox and the engine
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    rollout: RolloutConfig = field(default_factory=_eval_rollout)  # rollout.n_samples is k
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {self.limit}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "sglang" and not self.sglang_urls:
-            raise ValueError("--engine sglang needs --sglang-url")
-        if self.engine == "local" and self.sglang_urls:
-            raise ValueError("--sglang-url is only used with --engine sglang")
-        if self.sandbox_workers < 1:
-            raise ValueError(f"--sandbox-workers must be >= 1, got {self.sandbox_workers}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if not 0 <= self.max_infra_failure_share <= 1:
+            raise ValueError(f"max_infra_failure_share must be in [0, 1], got {self.max_infra_failure_share}")
+        if not self.probe_timeout_s > 0:
+            raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
         if self.out is not None and Path(self.out).is_dir():
-            raise ValueError(f"--out {self.out} is a directory; give a .jsonl file path")
+            raise ValueError(f"out {self.out} is a directory; give a .jsonl file path")
+
+    @property
+    def k(self) -> int:
+        return self.rollout.n_samples
 
 
-def _build_engine(cfg: EvalConfig, model_dir: Path):
-    if cfg.engine == "local":
-        from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
-
-        engine = LocalEngine(LocalEngineConfig(model=str(model_dir), max_batch_size=cfg.batch_size, seed=cfg.seed))
-        return engine, engine.tokenizer
-    from transformers import AutoTokenizer
-
-    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
-    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = resolve_eos_token_ids(model_dir, tokenizer=tokenizer)
-    return SGLangEngine(SGLangEngineConfig(server_urls=cfg.sglang_urls, eos_token_ids=eos)), tokenizer
+def check_infrastructure(groups: list[Group], max_share: float) -> None:
+    """:class:`InfrastructureError` when infrastructure ended more than ``max_share`` of the trajectories."""
+    trajs = flatten(groups)
+    failed = [t for t in trajs if t.status in INFRA_STATUSES]
+    if len(failed) <= max_share * len(trajs):
+        return
+    counts = Counter(t.status.value for t in failed)
+    first = failed[0].turns[-1].reason if failed[0].turns else ""
+    if failed[0].turns and failed[0].turns[-1].tool is not None:
+        first = failed[0].turns[-1].tool.result.message or first
+    raise InfrastructureError(
+        f"{len(failed)} of {len(trajs)} trajectories were ended by infrastructure failures "
+        f"({', '.join(f'{k}={v}' for k, v in sorted(counts.items()))}), more than max_infra_failure_share="
+        f"{max_share:g}; the metrics would not describe the model (first: {first})")
 
 
 def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, list[Group]]:
     from megatron_tir.data import load_problems
-    from megatron_tir.model_sources import resolve_model
     from megatron_tir.reward import MathVerifier
-    from megatron_tir.rollout import ClusterSandbox, RolloutConfig, TIRRollout
-    from megatron_tir.tir import PromptConfig
+    from megatron_tir.rollout import TIRRollout
 
     # Everything the user typed is checked before anything slow starts.
     problems = load_problems(cfg.data, limit=cfg.limit)
-    model_dir = resolve_model(cfg.model)
-    rollout_cfg = RolloutConfig(n_samples=cfg.k, max_turns=cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
-                                temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                max_in_flight=cfg.max_in_flight, tool_timeout_s=cfg.tool_timeout_s,
-                                prompt=PromptConfig(mode=cfg.prompt_mode))
+    model_dir = resolve_model_dir(cfg.engine)
+    settings = engine_settings(cfg.engine, model_dir)
     out_path = Path(cfg.out) if cfg.out else None
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
 
     with contextlib.ExitStack() as stack:
-        if cfg.sandbox:
-            address = cfg.sandbox
-        else:
-            from sandbox_cluster import LocalCluster
-
-            log.info("starting a local sandbox cluster with %d workers", cfg.sandbox_workers)
-            address = stack.enter_context(LocalCluster(workers=cfg.sandbox_workers)).address
-        sandbox = ClusterSandbox.connect(address)
-        stack.callback(sandbox.close)
+        sandbox = None
+        if cfg.rollout.tools:
+            sandbox = stack.enter_context(open_sandbox(cfg.sandbox))
+            where = cfg.sandbox.address or "the local sandbox cluster"
+            asyncio.run(probe_sandbox(sandbox, timeout_s=cfg.probe_timeout_s, what=f"sandbox at {where}"))
         verifier = stack.enter_context(MathVerifier())
-        engine, tokenizer = _build_engine(cfg, model_dir)
+        engine, tokenizer = build_engine(cfg.engine, model_dir=model_dir, settings=settings)
         sink = stack.enter_context(open(out_path, "w")) if out_path else None
         bar = None
         if progress:
@@ -122,7 +124,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
         def on_done(traj) -> None:
             seen["n"] += 1
             seen["reward"] += traj.reward or 0.0
-            seen["void"] += traj.void
+            seen["void"] += traj.has_void_turn
             if sink is not None:
                 rec = traj.to_json()
                 rec["prompt"] = tokenizer.decode(traj.prompt_ids, skip_special_tokens=False)
@@ -135,13 +137,15 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
 
         async def main() -> list[Group]:
             try:
-                return await TIRRollout(engine, tokenizer, sandbox, rollout_cfg, verifier=verifier).run(
+                where = ", ".join(cfg.engine.urls) if cfg.engine.kind == "sglang" else f"local engine ({cfg.engine.model})"
+                await probe_engine(engine, tokenizer, timeout_s=cfg.probe_timeout_s, what=f"engine {where}")
+                return await TIRRollout(engine, tokenizer, sandbox, cfg.rollout, verifier=verifier).run(
                     problems, on_done=on_done)
             finally:
                 await engine.close()
 
         groups = asyncio.run(main())
+    check_infrastructure(groups, cfg.max_infra_failure_share)
     metrics = compute_metrics(groups, cfg.k)
-    if not math.isnan(metrics.avg_at_k):
-        log.info("avg@%d = %.4f over %d problems", cfg.k, metrics.avg_at_k, metrics.problems)
+    log.info("avg@%d = %.4f over %d problems", cfg.k, metrics.avg_at_k, metrics.problems)
     return metrics, groups

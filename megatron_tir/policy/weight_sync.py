@@ -18,6 +18,9 @@ this rank's GPUs): CUDA IPC handles, one serialized payload per server TP rank.
 
 Both take ``buckets``: an iterable of lists of ``(HF name, full tensor)``, e.g.
 ``Learner.hf_weights(bucket_bytes)``; each bucket is one ``/update_weights_*`` call.
+Their methods are coroutines on the engine's event loop; :func:`call_blocking` runs one
+from synchronous trainer code (e.g. ``call_blocking(engine, sync.send(buckets,
+weight_version=str(step)))``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import concurrent.futures
 import ipaddress
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Bucket = list[tuple[str, "torch.Tensor"]]
+T = TypeVar("T")
 SYNC_PAUSE_MODES = (PauseMode.ABORT, PauseMode.RETRACT)  # IN_PLACE keeps requests running: no flush
 
 
@@ -143,15 +147,43 @@ async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> None:
         await engine.resume()
 
 
+def call_blocking(engine: SGLangEngine, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the engine's event loop from synchronous code and return its result.
+
+    The loop may be running in another thread (the coroutine is handed to it) or idle
+    (it runs the coroutine until done); from inside that loop, ``await`` instead.
+    """
+    loop = engine.loop
+    if loop is None or loop.is_closed():
+        coro.close()
+        raise RuntimeError("the engine has no event loop yet: start it (await engine.start()) on the rollout loop")
+    if loop.is_running():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("call_blocking was called from the engine's own event loop: await the coroutine")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+    return loop.run_until_complete(coro)
+
+
 def _daemon_call(fn) -> concurrent.futures.Future:
     """Run ``fn`` in a daemon thread (a group join that never completes must not block exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def target() -> None:
         try:
-            future.set_result(fn())
+            result = fn()
         except BaseException as exc:  # handed to the awaiting coroutine
-            future.set_exception(exc)
+            if not future.cancelled():
+                future.set_exception(exc)
+            else:
+                log.debug("abandoned weight-update group join ended: %r", exc)
+            return
+        if not future.cancelled():
+            future.set_result(result)
 
     threading.Thread(target=target, name="weight-sync-group", daemon=True).start()
     return future

@@ -8,14 +8,22 @@ A trajectory alternates model turns and tool calls:
    fence, a closed non-Python block) continues with a new request extending the same ids
    (see :mod:`megatron_tir.tir.markup` for why and what it costs). The turn is then
    classified by :func:`megatron_tir.tir.classify_turn`.
-2. **Void** turn: the trajectory stops, status ``void`` (SimpleTIR: excluded from the
-   policy loss, still counted in its group's reward statistics).
+2. **Void** turn: with ``void_turn="stop"`` the trajectory stops, status ``void``
+   (SimpleTIR: excluded from the policy loss, still counted in its group's reward
+   statistics); with ``"continue"`` nothing is appended and the next turn follows (the
+   void turn stays in ``Trajectory.turns`` for the metrics).
    **Answer** turn: the trajectory is complete.
-   **Code** turn: the code (with the ``final_answer`` prelude) goes to the sandbox; while
-   it runs, the engine keeps serving the other trajectories -- there is no per-turn
-   barrier. The feedback text is tokenized and appended as ids with loss mask 0.
+   **Code** turn: the code (with the protocol's ``final_answer`` prelude) goes to the
+   sandbox; while it runs, the engine keeps serving the other trajectories -- there is no
+   per-turn barrier. The feedback text is tokenized and appended as ids with loss mask 0.
+   A code turn that also gives a final answer ends the trajectory after its feedback.
 3. Budgets: ``max_turns`` model turns and ``max_response_tokens`` response tokens (model
-   and feedback tokens together) per trajectory.
+   and feedback tokens together) per trajectory. ``tools=False``: one text-only turn (no
+   code stop strings, nothing executed), an answer or void.
+
+What a turn *is*, the prompt, the program, the feedback text and the answer the reward
+checks come from the protocol preset (``RolloutConfig.protocol``, see
+:mod:`megatron_tir.tir.protocol`).
 
 A sandbox failure is a recorded outcome: the model's errors, timeouts and memory kills
 become feedback; an infrastructure failure (``sandbox_error``, ``overloaded`` after the
@@ -38,27 +46,20 @@ from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
 from megatron_tir.rollout.sandbox import Sandbox
 from megatron_tir.rollout.trajectory import FinishStatus, ToolCall, Trajectory, Turn
-from megatron_tir.tir import (
-    FeedbackConfig,
-    PromptConfig,
-    TurnKind,
-    build_prompt_ids,
-    classify_turn,
-    format_feedback,
-    last_boxed,
-    program_for,
-    stop_strings,
-)
-from megatron_tir.tir.feedback import INFRA_FAILURES
-from sandbox_cluster.protocol import ExecResult, Status
+from megatron_tir.tir import FeedbackConfig, PromptConfig, TurnKind
+from megatron_tir.tir.protocol import ProtocolName, TIRProtocol, make_protocol
+from sandbox_cluster.protocol import MAX_MEMORY_MB, MAX_TIMEOUT_S, ExecResult, Status
 
 log = logging.getLogger(__name__)
+
+VOID_TURN_MODES = ("stop", "continue")
+MIN_TOOL_MEMORY_MB = 16  # the sandbox's floor (sandbox_cluster.protocol.decode_request)
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     n_samples: int = 1  # trajectories per prompt (the GRPO group size)
-    max_turns: int = 5
+    max_turns: int = 5  # model turns per trajectory (tools=False: always one)
     max_response_tokens: int = 16384  # model + feedback tokens, all turns
     temperature: float = 1.0
     top_p: float = 1.0
@@ -67,24 +68,46 @@ class RolloutConfig:
     max_in_flight: int = 64  # trajectories running at once
     tool_timeout_s: float = 10.0
     tool_memory_mb: int = 1024
-    stop_on_tool_answer: bool = True  # a final_answer() printed by the tool completes the trajectory
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    stop_on_tool_answer: bool = True  # a final answer printed by the tool completes the trajectory
+    # "default" (this project's protocol) | "simpletir" (the released SimpleTIR code's prompt,
+    # feedback, turn rules and answer extraction; see megatron_tir.tir.simpletir).
+    protocol: str = "default"
+    # "stop": a void turn ends the trajectory (status void, excluded from the policy loss);
+    # "continue": the void turn gets no feedback and the trajectory goes on (the naive mode).
+    void_turn: str = "stop"
+    tools: bool = True  # False: text-only, one turn, no code stop strings, nothing executed
+    prompt: PromptConfig = field(default_factory=PromptConfig)  # protocol "default" only
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)  # protocol "default" only
 
     def __post_init__(self) -> None:
         for name in ("n_samples", "max_turns", "max_response_tokens", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 < self.tool_timeout_s <= 300:
-            raise ValueError(f"tool_timeout_s must be in (0, 300], got {self.tool_timeout_s}")
-        if not 16 <= self.tool_memory_mb <= 16384:
-            raise ValueError(f"tool_memory_mb must be in [16, 16384], got {self.tool_memory_mb}")
+        # The sampling bounds live with SamplingParams; check them there, once.
+        SamplingParams(max_new_tokens=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if not 0 < self.tool_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"tool_timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {self.tool_timeout_s}")
+        if not MIN_TOOL_MEMORY_MB <= self.tool_memory_mb <= MAX_MEMORY_MB:
+            raise ValueError(f"tool_memory_mb must be in [{MIN_TOOL_MEMORY_MB}, {MAX_MEMORY_MB}], "
+                             f"got {self.tool_memory_mb}")
+        try:
+            self.protocol = ProtocolName(self.protocol).value
+        except ValueError:
+            raise ValueError(f"protocol must be one of {[p.value for p in ProtocolName]}, "
+                             f"got {self.protocol!r}") from None
+        if self.void_turn not in VOID_TURN_MODES:
+            raise ValueError(f"void_turn must be one of {VOID_TURN_MODES}, got {self.void_turn!r}")
+        if not isinstance(self.tools, bool):
+            raise ValueError(f"tools must be true or false, got {self.tools!r}")
+        if self.protocol == ProtocolName.SIMPLETIR.value:
+            changed = [name for name, default in (("prompt", PromptConfig()), ("feedback", FeedbackConfig()))
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"rollout.{changed[0]} settings apply to protocol 'default' only; "
+                                 "protocol 'simpletir' uses SimpleTIR's own")
+
+    def make_protocol(self) -> TIRProtocol:
+        return make_protocol(self.protocol, tools=self.tools, prompt=self.prompt, feedback=self.feedback)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,15 +127,19 @@ class TIRRollout:
 
     ``tokenizer`` decodes sampled ids (to read the turn's text) and encodes feedback;
     ``verifier`` (a :class:`~megatron_tir.reward.MathVerifier`) scores finished
-    trajectories when given, else ``reward`` stays None.
+    trajectories when given, else ``reward`` stays None. ``config.protocol`` picks the
+    preset (:mod:`megatron_tir.tir.protocol`) that reads and answers the text.
     """
 
-    def __init__(self, engine: GenerationEngine, tokenizer, sandbox: Sandbox, config: RolloutConfig,
+    def __init__(self, engine: GenerationEngine, tokenizer, sandbox: Sandbox | None, config: RolloutConfig,
                  verifier=None) -> None:
+        if sandbox is None and config.tools:
+            raise ValueError("a rollout with tools needs a sandbox")
         self.engine = engine
         self.tokenizer = tokenizer
         self.sandbox = sandbox
         self.config = config
+        self.protocol = config.make_protocol()
         self.verifier = verifier
 
     # ------------------------------------------------------------------ batch API
@@ -121,7 +148,7 @@ class TIRRollout:
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Group]:
         """``n_samples`` trajectories per problem, all in flight together; one Group per problem."""
         cfg = self.config
-        prompts = [build_prompt_ids(p.messages, cfg.prompt, self.tokenizer) for p in problems]
+        prompts = [self.protocol.prompt_ids(p.messages, self.tokenizer) for p in problems]
         slots = asyncio.Semaphore(cfg.max_in_flight)
 
         async def one(i: int, s: int) -> Trajectory:
@@ -152,6 +179,7 @@ class TIRRollout:
     async def run_trajectory(self, prompt_ids: Sequence[int], *, group_id: int, sample_index: int,
                              problem: Problem | None = None) -> Trajectory:
         cfg = self.config
+        proto = self.protocol
         traj = Trajectory(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                           problem_index=problem.index if problem else -1,
                           data_source=problem.data_source if problem else "",
@@ -159,8 +187,9 @@ class TIRRollout:
         rng = random.Random(f"{cfg.seed}/{group_id}/{sample_index}")
         t_start = time.perf_counter()
         answers: list[tuple[str, str]] = []  # (answer, source) in the order they appeared
+        max_turns = cfg.max_turns if cfg.tools else 1
 
-        for turn_index in range(cfg.max_turns):
+        for turn_index in range(max_turns):
             budget = cfg.max_response_tokens - len(traj.response_ids)
             if budget <= 0:
                 traj.status = FinishStatus.TRUNCATED
@@ -168,11 +197,11 @@ class TIRRollout:
             context = traj.prompt_ids + traj.response_ids
             # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
             # opened code block): that text is parsed as the start of turn 0.
-            prefix = cfg.prompt.response_prefix if turn_index == 0 else ""
+            prefix = proto.response_prefix if turn_index == 0 else ""
             tr = await self._generate_turn(context, budget, rng, prefix, route_key=f"{group_id}/{sample_index}")
             traj.engine_requests += tr.requests
             traj.timings.generation_s += tr.seconds
-            cls = classify_turn(prefix + tr.text, tr.finish)
+            cls = proto.classify(prefix + tr.text, tr.finish)
             reason = cls.reason if tr.error is None else f"engine error: {tr.error}"
             turn = Turn(index=turn_index, kind=cls.kind, reason=reason, finish_reason=tr.finish,
                         start=len(traj.response_ids), model_tokens=len(tr.ids), text=tr.text, code=cls.code,
@@ -187,8 +216,10 @@ class TIRRollout:
                 traj.status = FinishStatus.ABORTED
                 break
             if cls.kind is TurnKind.VOID:
-                traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
-                break
+                if cfg.void_turn == "stop":
+                    traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
+                    break
+                continue  # the naive mode: no feedback, the next turn follows
             if cls.kind is TurnKind.ANSWER:
                 traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
                 break
@@ -200,19 +231,18 @@ class TIRRollout:
             if tool.infra_failure:
                 traj.status = FinishStatus.TOOL_FAILED
                 break
+            tool.answer = proto.tool_answer(tool.result.stdout)
             if tool.answer is not None:
                 answers.append((tool.answer, "tool"))
-            feedback = format_feedback(_as_result(tool), cfg.feedback, timeout=cfg.tool_timeout_s,
-                                       memory_mb=cfg.tool_memory_mb, leading_newline=not tr.text.endswith("\n"))
-            fb_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False))
-            if len(traj.response_ids) + len(fb_ids) <= cfg.max_response_tokens:
+            feedback = proto.feedback(tool.result, turn_index=turn_index, max_turns=max_turns, turn_text=tr.text,
+                                      timeout=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb)
+            fb_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []
+            fits = len(traj.response_ids) + len(fb_ids) <= cfg.max_response_tokens
+            if fits:
                 traj.append_feedback_tokens(fb_ids)
                 turn.feedback_tokens = len(fb_ids)
                 tool.feedback = feedback
-                fits = True
-            else:
-                fits = False
-            if tool.answer is not None and cfg.stop_on_tool_answer:
+            if cls.final or (tool.answer is not None and cfg.stop_on_tool_answer):
                 traj.status = FinishStatus.COMPLETED
                 break
             if not fits:
@@ -221,8 +251,8 @@ class TIRRollout:
         else:
             traj.status = FinishStatus.MAX_TURNS
 
-        if answers:
-            traj.final_answer, traj.answer_source = answers[-1]
+        response_text = self.tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+        traj.final_answer, traj.answer_source = proto.final_answer(answers, response_text)
         if self.verifier is not None and traj.ground_truth:
             t0 = time.perf_counter()
             traj.reward = await self.verifier.ascore(traj.final_answer, traj.ground_truth)
@@ -237,6 +267,7 @@ class TIRRollout:
         ``prefix`` is text at the end of ``context`` that belongs to this turn's markup.
         """
         cfg = self.config
+        proto = self.protocol
         ids: list[int] = []
         logprobs: list[float] = []
         requests = 0
@@ -246,7 +277,7 @@ class TIRRollout:
         discarded = 0
         while True:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, stop=stop_strings(prefix + text), seed=rng.getrandbits(63),
+                                    top_k=cfg.top_k, stop=proto.stop_strings(prefix + text), seed=rng.getrandbits(63),
                                     route_key=route_key)  # one server per trajectory: its prefix cache
             t0 = time.perf_counter()
             try:
@@ -265,7 +296,7 @@ class TIRRollout:
             logprobs.extend(gen.logprobs)
             text = self._decode(ids)
             finish = gen.finish_reason
-            if finish is not FinishReason.ABORT and classify_turn(prefix + text, finish).kind is TurnKind.CODE:
+            if finish is not FinishReason.ABORT and proto.classify(prefix + text, finish).kind is TurnKind.CODE:
                 n = len(ids)
                 ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
                 discarded = n - len(ids)
@@ -291,12 +322,13 @@ class TIRRollout:
         matched stops differently and ran past it, the extra tokens are dropped (and
         logged), so the turn still ends at the block.
         """
-        if len(ids) < 2 or classify_turn(prefix + self._decode(ids[:-1])).kind is not TurnKind.CODE:
+        is_code = lambda n: self.protocol.classify(prefix + self._decode(ids[:n])).kind is TurnKind.CODE  # noqa: E731
+        if len(ids) < 2 or not is_code(len(ids) - 1):
             return ids, logprobs, text
         lo, hi = 1, len(ids) - 1  # the shortest CODE prefix lies in [lo, hi]
         while lo < hi:
             mid = (lo + hi) // 2
-            if classify_turn(prefix + self._decode(ids[:mid])).kind is TurnKind.CODE:
+            if is_code(mid):
                 hi = mid
             else:
                 lo = mid + 1
@@ -307,24 +339,16 @@ class TIRRollout:
         cfg = self.config
         t0 = time.perf_counter()
         try:
-            res = await self.sandbox.execute(program_for(code), timeout=cfg.tool_timeout_s,
+            res = await self.sandbox.execute(self.protocol.program(code), timeout=cfg.tool_timeout_s,
                                              memory_mb=cfg.tool_memory_mb)
         except Exception as exc:  # noqa: BLE001 - a sandbox failure is a recorded outcome
             log.warning("sandbox call failed: %s: %s", type(exc).__name__, exc)
-            return ToolCall(status=Status.SANDBOX_ERROR.value, message=f"{type(exc).__name__}: {exc}",
-                            latency_s=time.perf_counter() - t0)
-        latency = time.perf_counter() - t0
-        if res.status in INFRA_FAILURES:
+            res = ExecResult(id="", status=Status.SANDBOX_ERROR, message=f"{type(exc).__name__}: {exc}")
+        tool = ToolCall(result=res, latency_s=time.perf_counter() - t0)
+        if tool.infra_failure:
             log.warning("sandbox infrastructure failure (%s): %s", res.status.value, res.message)
-        return ToolCall(status=res.status.value, stdout=res.stdout, stderr=res.stderr, exit_code=res.exit_code,
-                        stdout_truncated=res.stdout_truncated, message=res.message, sandbox_wall_s=res.wall_time, latency_s=latency,
-                        answer=None if res.status in INFRA_FAILURES else last_boxed(res.stdout))
+        return tool
 
     def _decode(self, ids: list[int]) -> str:
         # As the engines' stop matchers see the text: special tokens kept, no clean-up.
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _as_result(tool: ToolCall) -> ExecResult:
-    return ExecResult(id="", status=Status(tool.status), stdout=tool.stdout, stderr=tool.stderr,
-                      exit_code=tool.exit_code, stdout_truncated=tool.stdout_truncated, message=tool.message)

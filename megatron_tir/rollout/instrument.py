@@ -13,7 +13,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from megatron_tir.rollout.engines.base import FinishReason, Generation, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import (
+    DEFAULT_PAUSE_MODE,
+    FinishReason,
+    Generation,
+    GenerationEngine,
+    PauseMode,
+    SamplingParams,
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -63,8 +70,8 @@ class InstrumentedEngine:
     async def update_weights(self, named_tensors: Iterable) -> None:
         await self.engine.update_weights(named_tensors)
 
-    async def pause(self) -> None:
-        await self.engine.pause()
+    async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
+        await self.engine.pause(mode=mode)
 
     async def resume(self) -> None:
         await self.engine.resume()

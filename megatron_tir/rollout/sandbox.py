@@ -21,7 +21,7 @@ class ClusterSandbox:
         self.client = client
 
     @classmethod
-    def connect(cls, address: str) -> "ClusterSandbox":
+    def connect(cls, address: str) -> ClusterSandbox:
         from sandbox_cluster import SandboxClient
 
         return cls(SandboxClient(address))

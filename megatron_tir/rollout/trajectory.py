@@ -13,8 +13,12 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import msgspec
+
 from megatron_tir.rollout.engines.base import FinishReason
 from megatron_tir.tir.markup import TurnKind
+from megatron_tir.tir.feedback import INFRA_FAILURES
+from sandbox_cluster.protocol import ExecResult, Status
 
 
 class FinishStatus(str, enum.Enum):
@@ -34,22 +38,25 @@ UNTRAINABLE = frozenset({FinishStatus.VOID, FinishStatus.TOOL_FAILED, FinishStat
 
 @dataclass(kw_only=True, slots=True)
 class ToolCall:
-    """One execution of a model's code block and what the model was told."""
+    """One execution of a model's code block and what the model was told.
 
-    status: str  # sandbox_cluster.protocol.Status value, or "sandbox_error" for a client exception
-    stdout: str = ""
-    stderr: str = ""
-    exit_code: int | None = None
-    stdout_truncated: bool = False
-    message: str = ""  # the sandbox's note (why it failed)
-    sandbox_wall_s: float = 0.0  # execution time reported by the sandbox
+    ``result`` is the sandbox's own record; a sandbox client that raised is recorded as an
+    ``ExecResult`` with status ``sandbox_error`` and the exception in ``message``.
+    """
+
+    result: ExecResult
     latency_s: float = 0.0  # time the trajectory waited for the result
     feedback: str = ""  # the text appended to the trajectory ("" if none was appended)
-    answer: str | None = None  # last \boxed{} printed (final_answer), from the full stdout
+    answer: str | None = None  # the final answer the tool printed (final_answer), if any
+
+    @property
+    def status(self) -> Status:
+        return self.result.status
 
     @property
     def infra_failure(self) -> bool:
-        return self.status in ("sandbox_error", "overloaded")
+        """The sandbox infrastructure failed: not an outcome of the model's code."""
+        return self.result.status in INFRA_FAILURES
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,16 +144,17 @@ class Trajectory:
         return self.status is not None and self.status not in UNTRAINABLE
 
     @property
+    def has_void_turn(self) -> bool:
+        """A turn of this trajectory was void (with ``void_turn="continue"`` the trajectory went on)."""
+        return any(t.kind is TurnKind.VOID for t in self.turns)
+
+    @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
 
     @property
     def num_feedback_tokens(self) -> int:
         return len(self.loss_mask) - sum(self.loss_mask)
-
-    @property
-    def code_turns(self) -> list[Turn]:
-        return [t for t in self.turns if t.kind is TurnKind.CODE]
 
     @property
     def correct(self) -> bool:
@@ -162,6 +170,7 @@ class Trajectory:
             "ground_truth": self.ground_truth,
             "status": None if self.status is None else self.status.value,
             "void": self.void,
+            "has_void_turn": self.has_void_turn,
             "void_reason": self.void_reason,
             "final_answer": self.final_answer,
             "answer_source": self.answer_source,
@@ -185,5 +194,9 @@ def _turn_json(t: Turn) -> dict:
     d = {k: getattr(t, k) for k in Turn.__slots__ if k != "tool"}
     d["kind"] = t.kind.value
     d["finish_reason"] = t.finish_reason.value
-    d["tool"] = None if t.tool is None else {k: getattr(t.tool, k) for k in ToolCall.__slots__}
+    if t.tool is None:
+        d["tool"] = None
+    else:
+        d["tool"] = {k: getattr(t.tool, k) for k in ToolCall.__slots__ if k != "result"}
+        d["tool"]["result"] = msgspec.to_builtins(t.tool.result)
     return d

@@ -6,9 +6,12 @@
   numbers in tracebacks are one more than in the model's block.
 * :func:`format_feedback` turns an :class:`~sandbox_cluster.protocol.ExecResult` into
   the text appended after the block: ``Code Execution Result:`` and the stdout, cut in
-  the middle (head and tail kept) past ``max_output_chars``; on an error, the stdout and
-  the last ``stderr_lines`` lines of stderr; a plain sentence for empty output, a timeout,
-  a memory kill or an output flood. Infrastructure failures (``sandbox_error``,
+  the middle (head and tail kept) past ``max_output_chars``, then the last
+  ``stderr_lines`` lines of stderr if there are any -- on an error and on a successful run
+  alike (a warning such as numpy's ``RuntimeWarning: divide by zero`` tells the model why
+  a printed value is ``inf``; SimpleTIR instead replaces the whole feedback by stderr's
+  last line, which hides what the program printed); a plain sentence for empty output, a
+  timeout, a memory kill or an output flood. Infrastructure failures (``sandbox_error``,
   ``overloaded``) are not model feedback: the driver records them as a failed tool call.
 """
 
@@ -26,7 +29,6 @@ FINAL_ANSWER_PRELUDE = (
     " else str(result)) + '}');"
     " return result\n"
 )
-PRELUDE_LINES = FINAL_ANSWER_PRELUDE.count("\n")
 
 FEEDBACK_HEADER = "Code Execution Result:"
 INFRA_FAILURES = frozenset({Status.SANDBOX_ERROR, Status.OVERLOADED})
@@ -81,6 +83,8 @@ def format_feedback(result: ExecResult, config: FeedbackConfig, *, timeout: floa
     if status is Status.OK:
         if result.stdout_truncated:
             parts.append("[output truncated by the sandbox]")
+        if result.stderr.strip():  # warnings of a successful run (e.g. numpy's divide by zero)
+            parts.append(stderr_tail(result.stderr, config.stderr_lines, config.max_stderr_chars))
         if not parts:
             parts.append("[no output; use print() to see values]")
     elif status is Status.ERROR:

@@ -21,6 +21,11 @@ TOOL_INSTRUCTION = (
 )
 
 
+TEXT_INSTRUCTION = (
+    "Solve the following math problem step by step. Give the final answer as \\boxed{answer}."
+)
+
+
 class PromptMode(str, enum.Enum):
     PLAIN = "plain"
     CHAT = "chat"
@@ -29,7 +34,8 @@ class PromptMode(str, enum.Enum):
 @dataclass(kw_only=True, slots=True)
 class PromptConfig:
     mode: PromptMode = PromptMode.PLAIN
-    instruction: str = TOOL_INSTRUCTION
+    # None: TOOL_INSTRUCTION, or TEXT_INSTRUCTION for text-only rollouts (RolloutConfig.tools=False).
+    instruction: str | None = None
     # Plain mode: "{instruction}", "{problem}" are filled in.
     plain_template: str = "{instruction}\n\nProblem: {problem}\n\nSolution:"
     # Text appended after the template's generation prompt (both modes), e.g. to open a
@@ -58,22 +64,25 @@ def problem_text(messages: Sequence[dict]) -> str:
     raise ValueError("prompt has no user message")
 
 
-def build_prompt_text(messages: Sequence[dict], config: PromptConfig, tokenizer=None) -> str:
+def build_prompt_text(messages: Sequence[dict], config: PromptConfig, tokenizer=None, *, tools: bool = True) -> str:
     """The prompt as text (chat mode needs the tokenizer for its template)."""
+    instruction = config.instruction
+    if instruction is None:
+        instruction = TOOL_INSTRUCTION if tools else TEXT_INSTRUCTION
     if config.mode is PromptMode.PLAIN:
-        text = config.plain_template.format(instruction=config.instruction, problem=problem_text(messages))
+        text = config.plain_template.format(instruction=instruction, problem=problem_text(messages))
     else:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat prompt mode needs a tokenizer with a chat template")
         msgs = [dict(m) for m in messages if m.get("role") != "system"]
-        msgs.insert(0, {"role": "system", "content": config.instruction})
+        msgs.insert(0, {"role": "system", "content": instruction})
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return text + config.response_prefix
 
 
-def build_prompt_ids(messages: Sequence[dict], config: PromptConfig, tokenizer) -> list[int]:
+def build_prompt_ids(messages: Sequence[dict], config: PromptConfig, tokenizer, *, tools: bool = True) -> list[int]:
     """Token ids of the prompt. Plain mode adds the tokenizer's BOS if it has one."""
-    text = build_prompt_text(messages, config, tokenizer)
+    text = build_prompt_text(messages, config, tokenizer, tools=tools)
     if config.mode is PromptMode.CHAT:  # the template already wrote any special tokens
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(text, add_special_tokens=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import socket
@@ -94,6 +95,14 @@ def test_status_lists_workers(cluster):
     assert sorted(line.split(":")[0].strip() for line in lines[1:]) == ["local-0", "local-1"]
 
 
+def test_status_shows_what_cells_see(cluster):
+    out = _cli("status", "--connect", cluster.address)
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines()[1:]:
+        prefix = os.path.realpath(sys.prefix)
+        assert f"cells see only {prefix}" in line or f", {prefix}" in line, line
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -106,6 +115,7 @@ def test_status_lists_workers(cluster):
         (["run", "-", "--connect", "ipc:///nonexistent", "--timeout", "0"], "timeout 0.0 outside"),
         (["bench", "--requests", "1"], "need requests >= 10"),
         (["status", "--connect", "ipc:///nonexistent/x.sock", "--timeout", "0.3"], "did not answer STATUS"),
+        (["serve", "--bind", "tcp://127.0.0.1:1", "--expose", "/nonexistent/dir"], "--expose /nonexistent/dir"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message):

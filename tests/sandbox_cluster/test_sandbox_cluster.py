@@ -75,7 +75,7 @@ def test_status_reports_every_protection(cluster, client):
         names = {p.name for p in worker.protections}
         assert names == {"subreaper", "clean_environment", "uid_switch", "network_namespace", "private_tmpfs",
                          "cgroup_memory", "cgroup_pids", "seccomp", "rlimits", "process_tree_kill",
-                         "ipc_namespace", "read_only_filesystem", "pid_namespace"}
+                         "ipc_namespace", "read_only_filesystem", "pid_namespace", "filesystem_allowlist"}
         missing = [p for p in worker.protections if not p.active]
         assert all(p.detail for p in missing)  # a missing protection always says why
     assert set(status.missing_protections) == {
@@ -97,6 +97,9 @@ def raw(cluster):
 def _reply(sock: zmq.Socket, timeout_s: float = 10.0) -> P.ExecResult:
     assert sock.poll(int(timeout_s * 1000)), "no reply"
     kind, payload = sock.recv_multipart()
+    if kind == P.KIND_ACCEPTED:  # taken; the result follows
+        assert sock.poll(int(timeout_s * 1000)), "no result"
+        kind, payload = sock.recv_multipart()
     assert kind == P.KIND_RESULT
     return P.decode_result(payload)
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from sandbox_cluster import LocalCluster, SandboxClient, Status
+from sandbox_cluster import ClientConfig, LocalCluster, SandboxClient, Status
 from sandbox_cluster import protocol as P
 from sandbox_cluster.broker import Broker, BrokerConfig
 from sandbox_helpers import assert_next_ok
@@ -91,7 +91,9 @@ def _replies(sock: zmq.Socket, wait_s: float) -> list[P.ExecResult]:
     out, end = [], time.monotonic() + wait_s
     while time.monotonic() < end:
         if sock.poll(20):
-            out.append(P.decode_result(sock.recv_multipart()[1]))
+            kind, payload = sock.recv_multipart()
+            if kind != P.KIND_ACCEPTED:
+                out.append(P.decode_result(payload))
     return out
 
 
@@ -310,13 +312,17 @@ def test_burst_of_1000_while_workers_are_killed_gets_exactly_one_reply_each(kill
         while sum(len(v) > 0 for v in replies.values()) < n_clients * per_client and time.monotonic() < end:
             for sock, _ in poller.poll(50):
                 kind, payload = sock.recv_multipart()
+                if kind == P.KIND_ACCEPTED:
+                    continue
                 res = P.decode_result(payload)
                 replies[res.id].append(res)
             if kills < 3 and time.monotonic() >= next_kill:
                 killable.kill_worker(kills % 3)
                 kills, next_kill = kills + 1, time.monotonic() + 1.0
         for sock, _ in poller.poll(1000):  # anything answered twice would show up now
-            replies[P.decode_result(sock.recv_multipart()[1]).id].append(None)
+            kind, payload = sock.recv_multipart()
+            if kind != P.KIND_ACCEPTED:
+                replies[P.decode_result(payload).id].append(None)
     finally:
         for sock in sockets:
             sock.close()
@@ -406,3 +412,54 @@ def test_a_cell_forked_ahead_that_dies_is_replaced(cluster, client):
     for _ in range(4):  # both slots, twice
         res = client.run("print('ok')")
         assert res.status is Status.OK and res.stdout == "ok\n", res
+
+
+def test_a_request_lost_on_the_way_is_sent_again_and_runs_once(tmp_path):
+    # ZeroMQ drops what it hands to a connection that is dying (a broker restarting): a fake
+    # broker that drops the first copy gets a second; copies of a request the broker holds
+    # are acknowledged, not queued twice.
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(f"ipc://{tmp_path}/fake.sock")
+    seen: list[float] = []
+
+    def serve() -> None:
+        while len(seen) < 2:
+            if not fake.poll(5000):
+                return
+            client, kind, body = fake.recv_multipart()
+            seen.append(time.monotonic())
+            if len(seen) == 2:
+                req = P.decode_request(body)
+                fake.send_multipart([client, P.KIND_ACCEPTED, req.id.encode()])
+                fake.send_multipart([client, P.KIND_RESULT, P.encode(P.ExecResult(id=req.id, status=Status.OK,
+                                                                                   stdout="second\n"))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with SandboxClient(f"ipc://{tmp_path}/fake.sock", ClientConfig(resend_after_s=0.2)) as client:
+        res = client.run("print('x')", timeout=5)
+    thread.join(5)
+    fake.close()
+    assert (res.status, res.stdout) == (Status.OK, "second\n")
+    assert len(seen) == 2 and 0.15 <= seen[1] - seen[0] < 2.0
+
+
+def test_the_broker_takes_a_copy_of_a_request_it_holds_only_once(broker):
+    sock = _client(broker)
+    req = P.ExecRequest(id="same", code="print(1)")
+    for _ in range(3):
+        sock.send_multipart([P.KIND_EXEC, P.encode(req)])
+    replies = [sock.recv_multipart() for _ in range(3)]
+    assert replies == [[P.KIND_ACCEPTED, b"same"]] * 3
+    worker = ScriptedWorker(broker.worker_endpoint, "w")
+    got = worker.next_request()
+    worker.result(got, "1\n")
+    (kind, body) = sock.recv_multipart()
+    assert kind == P.KIND_RESULT and P.decode_result(body).id == "same"
+    assert broker.status().served == 1 and broker.status().queued == 0
+    with pytest.raises(AssertionError, match="got no request"):
+        worker.next_request(timeout_s=0.5)  # nothing else was queued
+    worker.close()
+    sock.close()

@@ -14,19 +14,19 @@ import pytest
 from sandbox_cluster import protocol as P
 from sandbox_cluster.limits import SandboxLimits
 from sandbox_cluster.worker import Worker, WorkerConfig, ZygoteProcess
-from sandbox_cluster.zygote import Zygote
+from sandbox_cluster.zygote.layers import Layers
 
 
 def test_a_failing_layer_is_recorded_with_its_reason(caplog):
-    zygote = Zygote(uid=61999, limits=SandboxLimits())
+    layers = Layers(uid=61999, limits=SandboxLimits())
 
     def no_cgroups():
         raise OSError(30, "Read-only file system: /sys/fs/cgroup/memory")
 
     with caplog.at_level(logging.WARNING):
-        assert zygote._protect("cgroup_memory", no_cgroups) is None
-        assert zygote._protect("seccomp", lambda: "compiled") == "compiled"
-    assert zygote.protections == [
+        assert layers._protect("cgroup_memory", no_cgroups) is None
+        assert layers._protect("seccomp", lambda: "compiled") == "compiled"
+    assert layers.protections == [
         P.Protection(name="cgroup_memory", active=False, detail="OSError: [Errno 30] Read-only file system: "
                                                                  "/sys/fs/cgroup/memory"),
         P.Protection(name="seccomp", active=True, detail="compiled"),
@@ -104,11 +104,13 @@ def test_without_a_private_tmpfs_only_the_zygotes_own_dir_is_wiped(tmp_path):
 
 _EXPOSE_SCRIPT = r"""
 import os, sys
-from sandbox_cluster import isolation
+from sandbox_cluster import isolation, rootfs
 home, lib = sys.argv[1], sys.argv[2]
 isolation.unshare(isolation.CLONE_NEWNS)
 isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
-print("exposed", isolation.expose_import_dirs([lib], 61998, 61998) == [lib])
+exposed, masked = rootfs.exposed_paths([lib])
+rootfs.build_root(exposed, masked, rootfs.literal_paths([lib]), uid=61998, gid=61998, scratch_mb=4)
+print("exposed", lib in exposed and os.listdir(lib) == ["mod.py"])
 pid = os.fork()
 if pid == 0:
     os.setgroups([]); os.setresgid(61998, 61998, 61998); os.setresuid(61998, 61998, 61998)

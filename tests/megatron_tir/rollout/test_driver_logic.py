@@ -71,7 +71,7 @@ def test_code_feedback_answer(smollm2_tokenizer, sandbox, verifier):
     assert code_turn.text == "Let me compute.\n```python\nx = 6 * 7\nprint(x)\n```"
     assert code_turn.code == "x = 6 * 7\nprint(x)"
     assert code_turn.requests == 2  # paused on the opening fence, then on the closing one
-    assert code_turn.tool.status == "ok" and code_turn.tool.stdout == "42\n"
+    assert code_turn.tool.status == "ok" and code_turn.tool.result.stdout == "42\n"
     assert code_turn.tool.feedback == f"\n{FEEDBACK_HEADER}\n```output\n42\n```\n"
 
     # Exactly the sampled ids, in order, with mask 1 and their log-probs; feedback masked.
@@ -93,7 +93,7 @@ def test_final_answer_from_tool_completes(smollm2_tokenizer, sandbox, verifier):
     _, groups = rollout(smollm2_tokenizer, sandbox, per_turn(turn0, "unreachable"), verifier)
     (t,) = groups[0].trajectories
     assert t.status is FinishStatus.COMPLETED and len(t.turns) == 1
-    assert t.turns[0].tool.stdout == "\\boxed{42}\n"
+    assert t.turns[0].tool.result.stdout == "\\boxed{42}\n"
     assert t.final_answer == "42" and t.answer_source == "tool" and t.reward == 1.0
 
 
@@ -135,7 +135,7 @@ def test_max_turns(smollm2_tokenizer, sandbox):
     _, groups = rollout(smollm2_tokenizer, sandbox, per_turn("```python\nprint(2)\n```"), max_turns=2)
     (t,) = groups[0].trajectories
     assert t.status is FinishStatus.MAX_TURNS and len(t.turns) == 2
-    assert all(x.kind is TurnKind.CODE and x.tool.stdout == "2\n" for x in t.turns)
+    assert all(x.kind is TurnKind.CODE and x.tool.result.stdout == "2\n" for x in t.turns)
     assert t.trainable
 
 
@@ -157,7 +157,7 @@ def test_sandbox_infrastructure_failure_is_recorded(smollm2_tokenizer, tmp_path)
     dead.close()
     (t,) = groups[0].trajectories
     assert t.status is FinishStatus.TOOL_FAILED and not t.trainable and not t.void
-    assert t.turns[0].tool.status == "sandbox_error" and "no reply" in t.turns[0].tool.message
+    assert t.turns[0].tool.status == "sandbox_error" and "no reply" in t.turns[0].tool.result.message
 
 
 def test_no_per_turn_barrier(smollm2_tokenizer, sandbox):
@@ -218,7 +218,7 @@ def test_engine_running_past_the_fence_is_trimmed_to_the_block(smollm2_tokenizer
                              engine_kw={"honor_stops": False})
     (t,) = groups[0].trajectories
     assert t.turns[0].text == "```python\nprint(5)\n```"  # trimmed at the token closing the block
-    assert t.turns[0].tool.stdout == "5\n" and t.status is FinishStatus.COMPLETED
+    assert t.turns[0].tool.result.stdout == "5\n" and t.status is FinishStatus.COMPLETED
     assert "past a closing code fence" in caplog.text
     assert t.turns[0].discarded_tokens == len(engine.calls[0]["token_ids"]) - t.turns[0].model_tokens > 0
     # the kept model tokens are a prefix of what the engine returned for that turn
@@ -232,4 +232,4 @@ def test_engine_error_is_a_recorded_abort(smollm2_tokenizer, sandbox):
     (t,) = groups[0].trajectories
     assert t.status is FinishStatus.ABORTED and not t.trainable and not t.void
     assert t.turns[-1].reason == "engine error: RuntimeError: scripted server error"
-    assert t.turns[0].tool.stdout == "5\n"
+    assert t.turns[0].tool.result.stdout == "5\n"

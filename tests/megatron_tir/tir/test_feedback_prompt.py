@@ -55,6 +55,15 @@ def test_error_shows_last_stderr_lines_and_stdout():
     assert "Traceback" not in text  # only the last 2 lines
 
 
+def test_successful_run_shows_stdout_then_the_stderr_tail():
+    err = "<x>:3: RuntimeWarning: divide by zero encountered in divide\n  y = a / b\n"
+    assert fb(status=Status.OK, stdout="inf\n", stderr=err) == (
+        f"\n{FEEDBACK_HEADER}\n```output\ninf\n<x>:3: RuntimeWarning: divide by zero encountered in divide\n"
+        "  y = a / b\n```\n")
+    assert "no output" not in fb(status=Status.OK, stderr="warning only\n")
+    assert fb(status=Status.OK, stdout="1\n", stderr="\n") == f"\n{FEEDBACK_HEADER}\n```output\n1\n```\n"
+
+
 def test_timeout_and_memory_are_said_plainly():
     assert "TimeoutError: the program did not finish within the 5 s time limit" in fb(status=Status.TIMEOUT)
     assert "MemoryError: the program exceeded the 512 MB memory limit" in fb(status=Status.MEMORY)

@@ -12,7 +12,6 @@ from megatron_tir.tir import (
     parse,
     stop_strings,
 )
-from megatron_tir.tir.markup import STOPS_ANY_FENCE, STOPS_CLOSING_FENCE
 
 # ----------------------------------------------------------------------------- blocks
 
@@ -66,7 +65,7 @@ def test_nested_fence_closes_at_first_line_start_fence():
 
 
 def test_indented_fences_up_to_three_spaces():
-    assert extract_code("   ```python\n   x = 1\n   ```") == "   x = 1"
+    assert extract_code("   ```python\n   x = 1\n   ```") == "x = 1"
     # four spaces: an indented code line, not a fence
     assert extract_code("    ```python\nx = 1\n    ```") is None
 
@@ -89,6 +88,40 @@ def test_empty_block_is_complete_code():
     assert c.kind is TurnKind.CODE and c.code == "" and "empty" in c.reason
 
 
+# Issue 13: an indented fence's indentation is removed from the code lines (CommonMark).
+def test_code_in_a_list_item_is_dedented_and_runs():
+    text = "1. First compute:\n   ```python\n   for i in range(2):\n       print(i)\n   ```\n"
+    code = extract_code(text)
+    assert code == "for i in range(2):\n    print(i)"
+    exec(compile(code, "<block>", "exec"), {})  # no IndentationError
+
+
+def test_dedent_removes_at_most_the_fence_indent():
+    # CommonMark example: fence indented 2, lines indented 0, 1, 2 and 4 spaces
+    text = "  ```\nx\n y\n  z\n    w\n  ```"
+    assert extract_code(text) == "x\ny\nz\n  w"
+
+
+# Issue 13: an info string with attributes takes its first word as the language.
+@pytest.mark.parametrize(("info", "lang"), [('python title="a.py"', "python"), ("py {.numberLines}", "py"),
+                                            ("  python3   ", "python3"), ('latex title="x"', "latex")])
+def test_info_string_first_word_is_the_language(info, lang):
+    text = f"```{info}\nprint(1)\n```"
+    block = parse(text).blocks[0]
+    assert block.lang == lang and block.closed
+    assert (extract_code(text) == "print(1)") == (lang != "latex")
+
+
+# Issue 13: a lone \r is a line ending (and \r\n is one line ending).
+@pytest.mark.parametrize("eol", ["\r", "\r\n"])
+def test_carriage_return_line_endings(eol):
+    text = eol.join(["Compute:", "```python", "x = 6 * 7", "print(x)", "```"])
+    assert extract_code(text) == "x = 6 * 7\nprint(x)"
+    assert classify_turn(text, "stop").code_end == len(text)
+    assert sorted(stop_strings("```python" + eol + "x = 1")) == sorted(CLOSING)
+    assert stop_strings("```python" + eol) == ("```",)
+
+
 # ---------------------------------------------------------------------------- answers
 
 
@@ -105,6 +138,39 @@ def test_boxed_escaped_braces_and_space():
 def test_boxed_cut_is_ignored():
     assert find_boxed(r"\boxed{3} then \boxed{\frac{1}{") == ["3"]
     assert last_boxed(r"\boxed{\frac{1}{") is None
+
+
+# Issue 13: a complete \boxed{} after an unbalanced \boxed{ is found.
+def test_complete_boxed_after_an_unbalanced_one():
+    text = "Answer: \\boxed{5\n\nOops. Final: \\boxed{5}"
+    assert find_boxed(text) == ["5"]
+    c = classify_turn(text, "eos")
+    assert c.kind is TurnKind.ANSWER and c.answer == "5"
+    assert find_boxed(r"\boxed{\frac{1}{2} \boxed{7} and \boxed{8}") == ["7", "8"]
+    assert find_boxed(r"\boxed{x + \boxed{5}") == ["5"]
+
+
+# Issue 13: \\ before a brace is a LaTeX line break, not an escaped brace.
+def test_double_backslash_is_a_line_break_not_an_escape():
+    assert find_boxed(r"\boxed{x\\}") == [r"x\\"]
+    assert find_boxed(r"\boxed{\begin{matrix}1\\2\end{matrix}} then \boxed{3}") == [
+        r"\begin{matrix}1\\2\end{matrix}", "3"]
+    assert find_boxed(r"\boxed{\\{1\}}") == []  # \\ then an unescaped {: one brace never closes
+    assert find_boxed(r"\boxed{a\\\}b}") == [r"a\\\}b"]  # \\ then an escaped }
+
+
+# Issue 13: a \boxed{} inside a non-Python block is text, so it is an answer in prose.
+@pytest.mark.parametrize("lang", ["latex", "output", "text", "math"])
+def test_boxed_inside_a_non_python_block_is_an_answer(lang):
+    text = f"The result:\n```{lang}\n\\boxed{{12}}\n```\n"
+    assert answer_in_model_text(text) == "12"
+    c = classify_turn(text, "eos")
+    assert c.kind is TurnKind.ANSWER and c.answer == "12"
+    # an unclosed non-Python block is text too
+    assert answer_in_model_text(f"```{lang}\n\\boxed{{3}}") == "3"
+    # and a later python block's code stays out of the prose
+    text2 = f"```{lang}\n\\boxed{{4}}\n```\n```python\nprint('\\\\boxed{{9}}')\n```"
+    assert answer_in_model_text(text2) == "4"
 
 
 def test_boxed_inside_code_is_not_an_answer():
@@ -135,13 +201,17 @@ def test_answer_then_length_cut_is_still_an_answer():
         ("```python\nx = 1\n", "eos", "EOS inside an unclosed code block (partial code)"),
         ("```pyth", "length", "length cut inside a 'pyth' block (partial code)"),
         ("", "eos", "EOS without code or answer"),
-        ("so so so so", "abort", "aborted by the engine"),
     ],
 )
 def test_void_turns(text, finish, reason):
     c = classify_turn(text, finish)
     assert c.kind is TurnKind.VOID and c.void
     assert c.reason == reason
+
+
+def test_an_aborted_turn_is_not_void():
+    c = classify_turn("so so so so", "abort")
+    assert c.kind is TurnKind.ABORTED and not c.void and c.reason == "aborted by the engine"
 
 
 def test_code_beats_answer_and_answer_is_reported():
@@ -157,15 +227,19 @@ def test_unknown_finish_reason_rejected():
 # ----------------------------------------------------------------------- stop strings
 
 
+# The expected stop strings are written out, not read from the module's constants.
+CLOSING = ("\n```", "\n ```", "\n  ```", "\n   ```", "\r```", "\r ```", "\r  ```", "\r   ```")
+
+
 def test_stops_outside_a_block_pause_on_any_fence():
-    assert stop_strings("") == STOPS_ANY_FENCE
-    assert stop_strings("We compute") == STOPS_ANY_FENCE
+    assert stop_strings("") == ("```",)
+    assert stop_strings("We compute") == ("```",)
+    assert stop_strings("Done ```python``` inline\nnext") == ("```",)
 
 
 def test_stops_inside_a_block_mid_line_only_match_line_start_fences():
-    assert stop_strings("```python") == STOPS_CLOSING_FENCE  # opening line unfinished
-    assert stop_strings("```python\nx = 1") == STOPS_CLOSING_FENCE
-    assert all(s.startswith("\n") for s in STOPS_CLOSING_FENCE)
+    assert sorted(stop_strings("```python")) == sorted(CLOSING)  # opening line unfinished
+    assert sorted(stop_strings("```python\nx = 1")) == sorted(CLOSING)
 
 
 def test_stops_at_line_start_catch_a_fence_split_across_requests():
@@ -173,7 +247,7 @@ def test_stops_at_line_start_catch_a_fence_split_across_requests():
     assert stop_strings("```python\nx = 1\n  ") == ("```",)
     assert stop_strings("```python\nx = 1\n`") == ("``",)
     assert stop_strings("```python\nx = 1\n ``") == ("`",)
-    assert stop_strings("```python\nx = 1\n    ") == STOPS_CLOSING_FENCE  # 4 spaces: no fence here
+    assert sorted(stop_strings("```python\nx = 1\n    ")) == sorted(CLOSING)  # 4 spaces: no fence here
 
 
 def _engine_cut(text: str, stops: tuple[str, ...]) -> int:
@@ -190,6 +264,9 @@ def _engine_cut(text: str, stops: tuple[str, ...]) -> int:
         "Text ```inline``` then\n  ```py\n  y = 2\n  ```\n",
         "```output\n5\n```\nThen:\n```python\nprint(5)\n```\n",
         "```python\n```\n",
+        "Compute:\r```python\rx = 1\rprint(x)\r```\rafter",
+        "Compute:\r\n  ```py title=\"a.py\"\r\n  y = 2\r\n  ```\r\n",
+        "1. list item\n   ```python\n   print(1)\n   ```\n",
     ],
 )
 def test_phased_stops_end_exactly_at_the_closing_fence(full):

@@ -143,6 +143,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine is bound to (None until first used)."""
+        return self._loop
+
     async def start(self) -> None:
         """Open the HTTP session and start health checks (``generate`` does this on first use)."""
         if self._closed:
@@ -300,6 +305,16 @@ class SGLangEngine:
         ``payload_for(i)`` gives server i its own payload (e.g. its rank offset). With
         ``fail_fast`` the first failure raises at once (the other calls are cancelled).
         """
+        results = await self._call_each(path, payload, payload_for=payload_for, fail_fast=fail_fast)
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+        if errors:
+            raise SGLangError("; ".join(str(e) for e in errors))
+        return results
+
+    async def _call_each(self, path: str, payload: dict[str, Any] | None, *,
+                         payload_for: Callable[[int], dict[str, Any]] | None = None,
+                         fail_fast: bool = False) -> list[Any]:
+        """POST ``path`` to every server at once; per server its answer or its SGLangError."""
         await self.start()
 
         async def one(i: int, server: ServerState) -> Any:
@@ -319,11 +334,7 @@ class SGLangEngine:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
-        if errors:
-            raise SGLangError("; ".join(str(e) for e in errors))
-        return results
+        return await asyncio.gather(*tasks, return_exceptions=True)
 
     async def server_info(self, *, refresh: bool = False) -> list[dict[str, Any]]:
         """``GET /server_info`` of every server (cached); SGLangError unless each has dp_size 1
@@ -372,13 +383,18 @@ class SGLangEngine:
         await self.call_all("/pause_generation", {"mode": mode.value})
 
     async def resume(self) -> None:
-        """``/continue_generation`` on every server; each that answers is healthy again."""
-        await self.start()
-        await self.call_all("/continue_generation", {})
-        for server in self.pool.servers:
-            self.pool.mark_up(server)
+        """``/continue_generation`` on every server; each that answers is healthy again, each
+        that does not is marked down (requests go to the others). SGLangError if none answers."""
+        results = await self._call_each("/continue_generation", {})
+        for server, result in zip(self.pool.servers, results, strict=True):
+            if isinstance(result, BaseException):
+                self.pool.mark_down(server, f"/continue_generation failed: {result}")
+            else:
+                self.pool.mark_up(server)
         self.paused = False
         self._admitting.set()
+        if all(isinstance(r, BaseException) for r in results):
+            raise SGLangError("; ".join(str(r) for r in results))
 
     async def begin_weight_update(self) -> None:
         """Open a weight-update session on every server (updates are refused outside one)."""

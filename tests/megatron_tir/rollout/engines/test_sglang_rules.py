@@ -116,6 +116,25 @@ def test_3_servers_stay_up_through_a_pause():
     assert out.finish_reason is FinishReason.LENGTH and up == [True, True]
 
 
+def test_3_a_server_that_died_during_the_pause_is_down_after_resume():
+    async def main():
+        alive, dying = FakeSGLangServer(scripted(canned_response)), FakeSGLangServer(scripted(canned_response))
+        urls = [await alive.start(), await dying.start()]
+        async with client(urls) as engine:
+            await engine.pause()
+            await dying.stop()
+            await engine.resume()  # the live server takes the requests
+            outs = [await engine.generate([1], PARAMS) for _ in range(3)]
+            up = [s.healthy for s in engine.pool.servers]
+            await alive.stop()
+            with pytest.raises(SGLangError, match="continue_generation"):
+                await engine.resume()
+        return urls, outs, up
+
+    urls, outs, up = run(main())
+    assert up == [True, False] and all(o.meta["server"] == urls[0] for o in outs)
+
+
 # ---------------------------------------------------------------------- 4. memory release / resume
 
 

@@ -20,7 +20,12 @@ from engine_testing import reference_logprobs, run
 from sglang_testing import free_port
 from transformers import AutoModelForCausalLM
 
-from megatron_tir.policy.weight_sync import DistributedWeightSync, DistributedWeightSyncConfig, buckets_of
+from megatron_tir.policy.weight_sync import (
+    DistributedWeightSync,
+    DistributedWeightSyncConfig,
+    buckets_of,
+    call_blocking,
+)
 from megatron_tir.rollout.engines.base import FinishReason, PauseMode, SamplingParams
 from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
@@ -154,3 +159,29 @@ def test_a_retracted_request_records_the_versions_it_crossed(servers, new_weight
     assert [s["version"] for s in spans] == [old_version, "2"] and spans[-1]["end"] == 300
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
     assert out.meta["weight_version"] == "2"
+
+
+def test_call_blocking_runs_on_the_engines_loop_idle_or_in_another_thread(servers):
+    import threading
+
+    engine = SGLangEngine(SGLangEngineConfig(server_urls=(servers[0].url,), eos_token_ids=(0,),
+                                             health_check_interval_s=0))
+    with pytest.raises(RuntimeError, match="no event loop yet"):
+        call_blocking(engine, engine.check_health())
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+    assert call_blocking(engine, engine.check_health()) == {servers[0].url: True}  # idle loop: run here
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert call_blocking(engine, engine.check_health()) == {servers[0].url: True}  # running elsewhere
+
+        async def inside():
+            with pytest.raises(RuntimeError, match="await the coroutine"):
+                call_blocking(engine, engine.check_health())
+        asyncio.run_coroutine_threadsafe(inside(), loop).result()
+        asyncio.run_coroutine_threadsafe(engine.close(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
+from megatron_tir.rollout.engines.base import DEFAULT_PAUSE_MODE, FinishReason, Generation, SamplingParams
 from megatron_tir.rollout.engines.stop import StopStringMatcher
 
 SCRIPTED_LOGPROB = -0.25
@@ -70,7 +70,7 @@ class ScriptedEngine:
     async def update_weights(self, named_tensors) -> None:  # pragma: no cover - not used by the driver
         raise NotImplementedError
 
-    async def pause(self) -> None:  # pragma: no cover
+    async def pause(self, *, mode=DEFAULT_PAUSE_MODE) -> None:  # pragma: no cover
         pass
 
     async def resume(self) -> None:  # pragma: no cover

@@ -1,10 +1,18 @@
-"""``sandbox-cluster bench``: the cluster against a fresh interpreter per call, on the same cores.
+"""Benchmark: the sandbox cluster against a fresh interpreter per call, on the same cores.
+
+    python bench/bench_sandbox.py [--baseline-tree DIR] [--json]    (or: sandbox-cluster bench)
 
 Three ways to run a snippet, measured in one run:
 
 - ``fresh``: ``python -c SNIPPET`` per call (SandboxFusion's model; no isolation at all),
 - ``cluster``: a LocalCluster with full isolation, through the broker, client-side latency,
-- ``bare fork``: fork from a warm zygote, no isolation, no broker (the floor for a warm fork).
+- ``bare fork``: fork from a warm interpreter prepared as the zygote prepares it
+  (``prepare_warm_interpreter``: warm-up, GC frozen, heap in huge pages), no isolation, no
+  broker (the floor for a warm fork).
+
+With ``--baseline-tree DIR`` (another checkout, e.g. ``git archive <rev>``), a fourth mode,
+``cluster @baseline``, runs that tree's broker, workers and zygotes in the same interleaved
+blocks, so the per-request cost of a change is measured under the same load.
 
 Latencies (p50/p99) and throughput at concurrency 1 and 2 x cores, then the ratios and
 the targets: >= 40x for the sympy snippet (p50 and throughput), and the trivial
@@ -13,8 +21,10 @@ snippet's p50 within 2x of a bare warm fork.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +33,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(_REPO))
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +59,7 @@ class BenchConfig:
     rounds: int = 8  # the modes alternate in this many blocks each
     workers: int = 0  # cluster workers; 0: one per core
     concurrency: list[int] = field(default_factory=list)  # default: [1, 2 x cores]
+    baseline_tree: str = ""  # another checkout whose cluster runs beside this one (same blocks)
 
     def __post_init__(self) -> None:
         cores = os.cpu_count() or 1
@@ -59,6 +75,8 @@ class BenchConfig:
             raise ValueError(f"rounds={self.rounds} outside [1, min(requests, fresh_requests)]")
         if any(c < 1 for c in self.concurrency):
             raise ValueError("concurrency levels must be >= 1")
+        if self.baseline_tree and not (Path(self.baseline_tree) / "sandbox_cluster" / "__init__.py").is_file():
+            raise ValueError(f"baseline_tree={self.baseline_tree!r} holds no sandbox_cluster package")
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -138,7 +156,7 @@ class BareForkServer:
 
     def __init__(self, snippet: str, priority_boost: int = 5) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from sandbox_cluster.bench import bare_fork_main; bare_fork_main()"],
+            [sys.executable, __file__, "--bare-fork-server"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, **_THREAD_ENV), text=True,
         )
         self.proc.stdin.write(json.dumps({"snippet": snippet, "priority_boost": priority_boost}) + "\n")
@@ -173,17 +191,13 @@ class BareForkServer:
 
 def bare_fork_main() -> None:
     """Fork from a warm interpreter, run the snippet with stdout on a pipe, read it, reap. Nothing else."""
-    import gc
-
-    from .isolation import boost_priority
-    from .zygote import warm_up
+    from sandbox_cluster.isolation import boost_priority
+    from sandbox_cluster.zygote.warm import prepare_warm_interpreter
 
     args = json.loads(sys.stdin.readline())
     code = compile(args["snippet"], "<cell>", "exec")
     child_nice = boost_priority(args["priority_boost"])
-    warm_up()
-    gc.collect()
-    gc.freeze()
+    prepare_warm_interpreter()
 
     def one() -> float:
         t0 = time.perf_counter()
@@ -219,10 +233,9 @@ def bare_fork_main() -> None:
 def run_bench(config: BenchConfig, console=None) -> dict:
     """Runs the benchmark, prints the tables on ``console`` (rich; default stdout), returns the report."""
     from rich.console import Console
-    from rich.table import Table
 
-    from .client import SandboxClient
-    from .cluster import LocalCluster
+    from sandbox_cluster.client import SandboxClient
+    from sandbox_cluster.cluster import LocalCluster
 
     console = console or Console()
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
@@ -230,32 +243,46 @@ def run_bench(config: BenchConfig, console=None) -> dict:
     console.print(f"[bold]sandbox-cluster bench[/] on {cores} cores; cluster: {config.workers} workers, "
                   f"full isolation; concurrency {config.concurrency}")
 
-    with console.status("starting the cluster and the bare-fork baseline"):
-        bare = BareForkServer(SNIPPETS["trivial"])
-        try:
-            cluster = LocalCluster(workers=config.workers)
-        except BaseException:
-            bare.close()
-            raise
-    rounds = config.rounds
-    with bare, cluster, SandboxClient(cluster.address) as client:
+    with contextlib.ExitStack() as stack:
+        with console.status("starting the cluster and the bare-fork baseline"):
+            bare = stack.enter_context(BareForkServer(SNIPPETS["trivial"]))
+            cluster = stack.enter_context(LocalCluster(workers=config.workers))
+            client = stack.enter_context(SandboxClient(cluster.address))
+            clients = {"cluster": client}
+            if config.baseline_tree:
+                env = {"PYTHONPATH": str(Path(config.baseline_tree).resolve())}
+                # (upper-case log level: a tree from before the lower-case CLI convention knows only those)
+                base = stack.enter_context(LocalCluster(workers=config.workers, env=env, log_level="WARNING"))
+                clients["cluster @baseline"] = stack.enter_context(SandboxClient(base.address))
+        _measure(config, console, bare, clients, rows)
         missing = cluster.status().missing_protections
-        for name, snippet in SNIPPETS.items():
-            for c in config.concurrency:
-                series = {mode: _Series() for mode in ("fresh python -c", "cluster")}
-                with_bare = name == "trivial" and c == 1
-                if with_bare:
-                    series["bare fork"] = _Series()
-                for r in range(rounds):
-                    with console.status(f"{name}, concurrency {c}: round {r + 1}/{rounds}"):
-                        series["cluster"].add(cluster_block(client, snippet, EXPECTED_STDOUT[name],
-                                                            math.ceil(config.requests / rounds), c))
-                        if with_bare:
-                            series["bare fork"].add(bare.block(math.ceil(config.bare_fork_requests / rounds)))
-                        series["fresh python -c"].add(
-                            fresh_block(snippet, max(c, math.ceil(config.fresh_requests / rounds)), c))
-                for mode, s in series.items():
-                    rows[(name, mode, c)] = s.summary()
+    _report_tables(config, console, rows)
+    return _verdict(config, console, rows, cores, missing)
+
+
+def _measure(config: BenchConfig, console, bare: BareForkServer, clients: dict, rows: dict) -> None:
+    rounds = config.rounds
+    for name, snippet in SNIPPETS.items():
+        for c in config.concurrency:
+            series = {mode: _Series() for mode in ("fresh python -c", *clients)}
+            with_bare = name == "trivial" and c == 1
+            if with_bare:
+                series["bare fork"] = _Series()
+            for r in range(rounds):
+                with console.status(f"{name}, concurrency {c}: round {r + 1}/{rounds}"):
+                    for mode, client in clients.items():
+                        series[mode].add(cluster_block(client, snippet, EXPECTED_STDOUT[name],
+                                                       math.ceil(config.requests / rounds), c))
+                    if with_bare:
+                        series["bare fork"].add(bare.block(math.ceil(config.bare_fork_requests / rounds)))
+                    series["fresh python -c"].add(
+                        fresh_block(snippet, max(c, math.ceil(config.fresh_requests / rounds)), c))
+            for mode, s in series.items():
+                rows[(name, mode, c)] = s.summary()
+
+
+def _report_tables(config: BenchConfig, console, rows: dict) -> None:
+    from rich.table import Table
 
     table = Table(title="sandbox execution: fresh interpreter vs warm isolated cluster")
     for col in ("snippet", "mode", "conc.", "n", "p50 ms", "p99 ms", "req/s"):
@@ -265,6 +292,10 @@ def run_bench(config: BenchConfig, console=None) -> dict:
                       f"{r['throughput_per_s']:.1f}")
     console.print(table)
 
+
+def _verdict(config: BenchConfig, console, rows: dict, cores: int, missing: dict) -> dict:
+    from rich.table import Table
+
     ratios = {}
     for name in SNIPPETS:
         for c in config.concurrency:
@@ -273,16 +304,22 @@ def run_bench(config: BenchConfig, console=None) -> dict:
             ratios[f"{name} c={c} throughput speedup"] = ours["throughput_per_s"] / fresh["throughput_per_s"]
     ratios["trivial c=1 p50 cluster / bare fork"] = (rows[("trivial", "cluster", 1)]["p50_ms"]
                                                      / rows[("trivial", "bare fork", 1)]["p50_ms"])
-    sympy_ok = all(v >= TARGET_SYMPY_SPEEDUP for k, v in ratios.items() if k.startswith("sympy"))
+    if config.baseline_tree:
+        for name in SNIPPETS:
+            for c in config.concurrency:
+                ours, base = rows[(name, "cluster", c)], rows[(name, "cluster @baseline", c)]
+                ratios[f"{name} c={c} p50 ms minus baseline"] = ours["p50_ms"] - base["p50_ms"]
+    sympy_ok = all(v >= TARGET_SYMPY_SPEEDUP for k, v in ratios.items() if k.startswith("sympy") and "speedup" in k)
     trivial_ok = ratios["trivial c=1 p50 cluster / bare fork"] <= TARGET_TRIVIAL_VS_BARE_FORK
     ratio_table = Table(title="ratios")
     ratio_table.add_column("ratio")
     ratio_table.add_column("value", justify="right")
     ratio_table.add_column("target", justify="right")
     for k, v in ratios.items():
-        target = (f">= {TARGET_SYMPY_SPEEDUP:g}" if k.startswith("sympy")
+        target = (f">= {TARGET_SYMPY_SPEEDUP:g}" if k.startswith("sympy") and "speedup" in k
                   else f"<= {TARGET_TRIVIAL_VS_BARE_FORK:g}" if "bare fork" in k else "")
-        ratio_table.add_row(k, f"{v:.1f}x" if "speedup" in k else f"{v:.2f}", target)
+        ratio_table.add_row(k, f"{v:.1f}x" if "speedup" in k else f"{v:+.2f}" if "minus" in k else f"{v:.2f}",
+                            target)
     console.print(ratio_table)
     if missing:
         console.print(f"[yellow]cluster ran WITHOUT: {missing}[/]")
@@ -294,3 +331,36 @@ def run_bench(config: BenchConfig, console=None) -> dict:
         "rows": [{"snippet": k[0], "mode": k[1], "concurrency": k[2], **v} for k, v in rows.items()],
         "ratios": ratios, "missing_protections": missing, "targets_met": sympy_ok and trivial_ok,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200, help="cluster requests per (snippet, concurrency)")
+    parser.add_argument("--fresh-requests", type=int, default=16,
+                        help="fresh-interpreter calls per (snippet, concurrency)")
+    parser.add_argument("--workers", type=int, default=0, help="cluster workers (default: number of cores)")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved blocks per mode (fair under load)")
+    parser.add_argument("--baseline-tree", default="", metavar="DIR",
+                        help="another checkout whose cluster is measured beside this one")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout (tables to stderr)")
+    parser.add_argument("--bare-fork-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bare_fork_server:
+        bare_fork_main()
+        return 0
+    from rich.console import Console
+
+    try:
+        config = BenchConfig(requests=args.requests, fresh_requests=args.fresh_requests, workers=args.workers,
+                             rounds=args.rounds, baseline_tree=args.baseline_tree)
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_bench(config, Console(stderr=args.json))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0 if report["targets_met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

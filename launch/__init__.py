@@ -1,1 +1,0 @@
-"""nemo-run launch recipes (local and Slurm). Filled by the launch issue."""

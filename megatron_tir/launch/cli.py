@@ -1,0 +1,161 @@
+"""``tir-launch``: start (or continue) a training run on this machine or on a Slurm cluster.
+
+    tir-launch --recipe tiny-cpu --executor local
+    tir-launch --recipe qwen2.5-32b-simpletir --executor slurm --cluster launch/examples/h100.yaml --dryrun
+    tir-launch --resume RUN_DIR --set rollout.max_turns=10 --set rollout.max_response_tokens=24576
+
+User errors print ``tir-launch: error: <one line>`` and exit 2; a local run exits with the
+trainer's exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_tir.launch.cluster import Cluster, check_layout, load_cluster
+from megatron_tir.launch.layout import trainer_layout
+from megatron_tir.launch.spec import LAUNCH_RECORD, LaunchRecord, RunSpec, read_record, write_record
+
+log = logging.getLogger("megatron_tir.launch")
+
+LOCAL_RUN_ROOT = "runs"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tir-launch", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n")[1:6]))
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--recipe", help="training recipe (megatron-tir train --recipe); with --resume: the run's")
+    p.add_argument("--executor", choices=["local", "slurm"], help="where to run (with --resume: the run's)")
+    p.add_argument("--cluster", help="cluster file (YAML, see launch/examples/h100.yaml); slurm only")
+    p.add_argument("--out", help="run dir (default: runs/<recipe>-<time> here, <run_root>/<recipe>-<time> on Slurm)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run on the same layout")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="training config override, passed to megatron-tir train (repeatable)")
+    p.add_argument("--dryrun", action="store_true", help="print what would run (slurm: the sbatch script) and exit")
+    p.add_argument("--emit-sbatch", metavar="FILE", help="write the sbatch script (and its group scripts next to "
+                   "it, FILE.<group>.sh) without submitting")
+    return p
+
+
+def _run_name(recipe: str) -> str:
+    return f"{recipe}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
+    """(executor, what to run, the Slurm layout) from the arguments; ValueError on a user error."""
+    if args.resume:
+        record = read_record(args.resume)
+        for flag, given, recorded in (("--recipe", args.recipe, record.recipe),
+                                      ("--executor", args.executor, record.executor)):
+            if given is not None and given != recorded:
+                raise ValueError(f"{flag} {given} differs from the run's {recorded} ({args.resume}/{LAUNCH_RECORD})")
+        if args.cluster:
+            raise ValueError(f"--resume reuses the layout in {args.resume}/{LAUNCH_RECORD}; --cluster is not taken "
+                             "with it")
+        if args.out:
+            raise ValueError("--resume continues in RUN_DIR; --out is not taken with it")
+        executor, recipe, cluster = record.executor, record.recipe, record.cluster
+        layout = trainer_layout(run_dir=args.resume, overrides=args.overrides)
+        run_dir = str(Path(args.resume).absolute())
+    else:
+        if not args.recipe:
+            raise ValueError("give --recipe NAME (or --resume RUN_DIR)")
+        if not args.executor:
+            raise ValueError("give --executor local|slurm")
+        executor, recipe = args.executor, args.recipe
+        layout = trainer_layout(recipe=recipe, overrides=args.overrides)
+        cluster = None
+        if executor == "slurm":
+            if not args.cluster:
+                raise ValueError("--executor slurm needs --cluster FILE (see launch/examples/h100.yaml)")
+            cluster = load_cluster(args.cluster)
+        elif args.cluster:
+            raise ValueError("--cluster is for --executor slurm")
+        root = cluster.run_root if cluster is not None else LOCAL_RUN_ROOT
+        run_dir = str(Path(args.out or Path(root) / _run_name(recipe)).absolute())
+    if cluster is not None:
+        check_layout(cluster, layout, where=args.cluster or f"{args.resume}/{LAUNCH_RECORD}")
+    elif args.emit_sbatch:
+        raise ValueError("--emit-sbatch is for --executor slurm")
+    elif layout.tp * layout.pp > 1:
+        raise ValueError(f"recipe {recipe} needs TP x PP = {layout.tp * layout.pp} GPUs; run it with --executor slurm")
+    spec = RunSpec(recipe=recipe, layout=layout, run_dir=run_dir, resume=bool(args.resume),
+                   overrides=tuple(args.overrides))
+    return executor, spec, cluster
+
+
+def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
+    from megatron_tir.launch import slurm
+
+    if args.dryrun or args.emit_sbatch:
+        rendered = slurm.render(cluster, spec)
+        if args.emit_sbatch:
+            path = Path(args.emit_sbatch)
+            path.write_text(rendered.sbatch)
+            for group, text in rendered.scripts.items():
+                path.with_name(f"{path.name}.{group}.sh").write_text(text)
+            print(f"wrote {path} and its group scripts {path.name}.<group>.sh "
+                  f"({', '.join(rendered.scripts)})")
+        if args.dryrun:
+            print(rendered.sbatch)
+            for group, text in rendered.scripts.items():
+                print(f"# ---------- {rendered.script_names[group]} ({group} group, run by its srun line)")
+                print(text)
+        return 0
+    write_record(spec.run_dir, LaunchRecord(executor="slurm", recipe=spec.recipe, cluster=cluster))
+    exp_id = slurm.submit(cluster, spec)  # ValueError when sbatch refuses the job
+    exp_dir = Path(slurm.experiments_dir(cluster), exp_id.rsplit("_", 1)[0], exp_id)
+    print(f"submitted experiment {exp_id}\n  run dir: {spec.run_dir}\n  agents' logs: {spec.run_dir}/logs/"
+          f"<group>-<host>/\n  sbatch script and srun logs: {exp_dir}/ (nemo experiment status {exp_id}, "
+          f"with NEMORUN_HOME={cluster.job_dir})")
+    return 0
+
+
+def _local(args, spec: RunSpec) -> int:
+    from megatron_tir.launch.local import free_port, local_script, run_local
+
+    if args.dryrun:
+        print(local_script(spec, sandbox_port=free_port()))
+        return 0
+    write_record(spec.run_dir, LaunchRecord(executor="local", recipe=spec.recipe, cluster=None))
+    result = run_local(spec)
+    print(f"run dir: {result.run_dir}\nlogs: {result.run_dir}/logs/ (main.log, sandbox.log)"
+          + (f"\nnemo-run task log: {result.task_log}" if result.task_log else ""))
+    if result.exit_code != 0:
+        main_log = Path(result.run_dir, "logs", "main.log")
+        tail = main_log.read_text(errors="replace").splitlines()[-40:] if main_log.exists() else []
+        print("\n".join([f"tir-launch: the trainer failed (exit status {result.exit_code}); last lines of "
+                         f"{main_log}:", *tail]), file=sys.stderr)
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import nemo_run  # noqa: F401
+    except ImportError:
+        parser.error("nemo-run is not installed: pip install 'megatron-tir[launch]'")
+    try:
+        executor, spec, cluster = _plan(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if executor == "slurm":
+        assert cluster is not None
+        try:
+            return _slurm(args, spec, cluster)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return _local(args, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

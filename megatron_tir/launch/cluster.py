@@ -1,0 +1,297 @@
+"""The cluster file: where a run goes (account, partition, image, mounts, node counts per group).
+
+It is separate from the recipe (what is trained): the same recipe runs on any cluster file,
+and a cluster file serves every recipe. ``load_cluster(path)`` reads and checks the YAML;
+``check_layout(cluster, layout)`` checks it against a recipe's parallel layout. Every
+problem is a ``ValueError`` with one line that names the file and the key.
+
+One allocation holds every group (no heterogeneous job; see LAUNCH_README_NOTES.md), so all
+groups take their nodes from one partition. ``sglang.nodes: 0`` colocates the SGLang
+servers on the trainer's GPUs; ``sandbox.nodes: 0`` runs the sandbox beside the trainer on
+its first node's CPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_tir.launch.layout import TrainerLayout
+
+
+@dataclass(kw_only=True, slots=True)
+class Partition:
+    """A Slurm partition as far as placement needs it."""
+
+    gpus_per_node: int
+    cpus_per_node: int
+    gpu_only: bool = False  # the site rejects jobs or nodes that leave its GPUs idle
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if self.cpus_per_node < 1:
+            raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+        if self.gpu_only and self.gpus_per_node == 0:
+            raise ValueError("gpu_only is set on a partition without GPUs")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerGroup:
+    nodes: int
+    partition: str | None = None  # None: the cluster's partition
+    container_image: str | None = None  # None: the cluster's image
+    mounts: list[str] = field(default_factory=list)  # added to the cluster's mounts for this group
+    env: dict[str, str] = field(default_factory=dict)  # added to the cluster's env for this group
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangGroup:
+    nodes: int  # 0: colocated on the trainer's GPUs (memory released while the trainer trains)
+    partition: str | None = None
+    tp: int | None = None  # GPUs per server; None: a whole node per server
+    port: int = 30000  # first server's port on a node; the next server of the node takes port + 1 ...
+    mem_fraction_static: float | None = None  # None: SGLang's default (colocated: 0.5)
+    extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server verbatim
+    container_image: str | None = None
+    mounts: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 0:
+            raise ValueError(f"nodes must be >= 0, got {self.nodes}")
+        if self.tp is not None and self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if not 1024 <= self.port < 65000:
+            raise ValueError(f"port must be in 1024..64999, got {self.port}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def colocated(self) -> bool:
+        return self.nodes == 0
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxGroup:
+    nodes: int  # 0: beside the trainer, on its first node's CPUs
+    partition: str | None = None
+    workers_per_node: int = 32  # sandbox worker processes (one warm zygote each) per node
+    port: int = 5555  # broker's client endpoint; workers connect to port + 1
+    container_image: str | None = None
+    mounts: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 0:
+            raise ValueError(f"nodes must be >= 0, got {self.nodes}")
+        if self.workers_per_node < 1:
+            raise ValueError(f"workers_per_node must be >= 1, got {self.workers_per_node}")
+        if not 1024 <= self.port < 65000:
+            raise ValueError(f"port must be in 1024..64999, got {self.port}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Cluster:
+    account: str
+    partition: str  # the allocation's partition (every group's unless it names its own)
+    partitions: dict[str, Partition]
+    time: str  # Slurm time limit of the allocation, e.g. "04:00:00"
+    container_image: str | None  # pyxis/enroot image with megatron-tir installed (each group may name its own);
+    # null: no container, the nodes run the commands from their own environment (env: PATH, PYTHONPATH)
+    job_dir: str  # shared folder for nemo-run's sbatch scripts and the groups' logs
+    run_root: str  # shared folder for run dirs (<run_root>/<recipe>-<time>)
+    trainer: TrainerGroup
+    sglang: SGLangGroup
+    sandbox: SandboxGroup
+    mounts: list[str] = field(default_factory=list)  # pyxis container mounts, "src:dst"
+    env: dict[str, str] = field(default_factory=dict)  # every group's environment
+    models: dict[str, str] = field(default_factory=dict)  # recipe model name -> path on the cluster
+    qos: str | None = None
+    master_port: int = 29500  # torchrun rendezvous port on the trainer's first node
+
+    def __post_init__(self) -> None:
+        for key in ("account", "partition", "time", "job_dir", "run_root"):
+            if not str(getattr(self, key)).strip():
+                raise ValueError(f"{key} is empty")
+        if not self.partitions:
+            raise ValueError("partitions is empty")
+        if self.container_image is None:
+            for group in ("trainer", "sglang", "sandbox"):
+                if getattr(self, group).container_image:
+                    raise ValueError(f"{group}.container_image needs a cluster container_image (nemo-run runs "
+                                     "all groups in containers or none)")
+        for where, mounts in (("mounts", self.mounts), ("trainer.mounts", self.trainer.mounts),
+                              ("sglang.mounts", self.sglang.mounts), ("sandbox.mounts", self.sandbox.mounts)):
+            for mount in mounts:
+                if ":" not in mount:
+                    raise ValueError(f"{where}: {mount!r} is not src:dst")
+        for key in list(self.env) + list(self.trainer.env) + list(self.sglang.env) + list(self.sandbox.env):
+            if not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise ValueError(f"env: {key!r} is not a variable name")
+        self._check_partitions()
+
+    def _check_partitions(self) -> None:
+        for group in ("trainer", "sglang", "sandbox"):
+            name = self.partition_of(group)
+            if name not in self.partitions:
+                raise ValueError(f"{group}.partition: {name!r} is not in partitions ({', '.join(self.partitions)})")
+        gpu_part = self.partitions[self.partition_of("trainer")]
+        if gpu_part.gpus_per_node == 0:
+            raise ValueError(f"trainer.partition: {self.partition_of('trainer')!r} has no GPUs")
+        if self.sglang.nodes and self.partitions[self.partition_of("sglang")].gpus_per_node == 0:
+            raise ValueError(f"sglang.partition: {self.partition_of('sglang')!r} has no GPUs")
+        if self.sandbox.nodes and self.partitions[self.partition_of("sandbox")].gpu_only:
+            raise ValueError(f"sandbox.partition: {self.partition_of('sandbox')!r} is GPU-only (gpu_only: true); "
+                             "the CPU sandbox cannot take nodes there (sandbox.nodes: 0 runs it beside the trainer)")
+        for group in ("sglang", "sandbox"):
+            if getattr(self, group).nodes and self.partition_of(group) != self.partition_of("trainer"):
+                raise ValueError(f"{group}.partition: {self.partition_of(group)!r} differs from the trainer's "
+                                 f"{self.partition_of('trainer')!r}; one allocation takes its nodes from one "
+                                 "partition (tir-launch does not use heterogeneous jobs)")
+
+    def partition_of(self, group: str) -> str:
+        return getattr(self, group).partition or self.partition
+
+    def image_of(self, group: str) -> str | None:
+        return getattr(self, group).container_image or self.container_image
+
+    def mounts_of(self, group: str) -> list[str]:
+        return [*self.mounts, *getattr(self, group).mounts]
+
+    @property
+    def node(self) -> Partition:
+        """The allocation's node type."""
+        return self.partitions[self.partition_of("trainer")]
+
+    @property
+    def total_nodes(self) -> int:
+        return self.trainer.nodes + self.sglang.nodes + self.sandbox.nodes
+
+    @property
+    def sglang_tp(self) -> int:
+        return self.sglang.tp or self.node.gpus_per_node
+
+    @property
+    def servers_per_node(self) -> int:
+        return self.node.gpus_per_node // self.sglang_tp
+
+    def model_path(self, model: str) -> str:
+        return self.models.get(model, model)
+
+
+def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "cluster file") -> None:
+    """The recipe's parallel layout against the trainer's GPUs and the SGLang servers' split."""
+    gpus = cluster.node.gpus_per_node
+    world = cluster.trainer.nodes * gpus
+    tp, pp = layout.tp, layout.pp
+    if world % (tp * pp):
+        raise ValueError(f"{where}: TP x PP = {tp} x {pp} = {tp * pp} does not divide the trainer's "
+                         f"{cluster.trainer.nodes} nodes x {gpus} GPUs = {world}")
+    if gpus % tp:
+        raise ValueError(f"{where}: TP = {tp} must divide the {gpus} GPUs of a node (tensor parallelism stays "
+                         "inside a node)")
+    if gpus % cluster.sglang_tp:
+        raise ValueError(f"{where}: sglang.tp = {cluster.sglang_tp} must divide the {gpus} GPUs of a node")
+    cpus = cluster.node.cpus_per_node
+    if cluster.sandbox.workers_per_node > cpus:
+        raise ValueError(f"{where}: sandbox.workers_per_node = {cluster.sandbox.workers_per_node} exceeds the "
+                         f"{cpus} CPUs of a node")
+
+
+# ----------------------------------------------------------------------------- reading YAML
+
+
+def _build(cls, data, key: str):
+    """``cls`` (a config dataclass) from ``data``; errors name the dotted ``key``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{key or 'the file'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{key}." if key else ""
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(fields)})")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{prefix}{missing[0]}: missing")
+    kwargs = {name: _value(hints[name], value, prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}" if key else str(exc)) from None
+
+
+def _value(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin is dict:
+        _, item = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _value(item, v, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(f"{key}: expected a list, got {type(value).__name__}")
+        return [_value(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    else:
+        raise AssertionError(f"unhandled type {tp} at {key}")
+    raise ValueError(f"{key}: expected {tp.__name__}, got {value!r}")
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """The cluster file at ``path``; any problem is one ``ValueError`` line naming the file and key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cluster file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"cluster file {path}: not valid YAML{at}") from None
+    try:
+        return _build(Cluster, data if data is not None else {}, "")
+    except ValueError as exc:
+        raise ValueError(f"cluster file {path}: {exc}") from None
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """A YAML/JSON-ready dict that ``_build`` reads back into the same ``Cluster``."""
+    return dataclasses.asdict(cluster)
+
+
+def cluster_from_dict(data: dict, *, where: str) -> Cluster:
+    try:
+        return _build(Cluster, data, "")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

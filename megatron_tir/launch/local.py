@@ -1,0 +1,81 @@
+"""A run on this machine through nemo-run's LocalExecutor (the embedded default).
+
+One nemo-run task runs the node agent: the sandbox cluster (``sandbox-cluster serve`` on a
+free loopback port) as a restarted service, and the trainer (``megatron-tir train`` with
+its in-process engine) as the main command once the broker answers. The trainer's exit
+ends the task; the sandbox is stopped with it.
+
+Where things are: the run dir (``config.json``, ``metrics.jsonl``, ``checkpoints/``), the
+agent's logs in ``RUN_DIR/logs/`` (``main.log``, ``sandbox.log``, ``main.exit``), and
+nemo-run's copy of the task's output under ``$NEMORUN_HOME/experiments/`` (printed).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_tir.launch.spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_script(spec: RunSpec, *, sandbox_port: int, python: str = sys.executable) -> str:
+    """The task's bash script: the agent with the sandbox as a service and the trainer as main."""
+    address = f"tcp://127.0.0.1:{sandbox_port}"
+    sandbox = [python, "-m", "sandbox_cluster.cli", "serve", "--bind", address,
+               "--workers", str(spec.layout.sandbox_workers)]
+    if spec.resume:
+        train = [python, "-m", "megatron_tir.cli", "train", "--resume", spec.run_dir]
+    else:
+        train = [python, "-m", "megatron_tir.cli", "train", "--recipe", spec.recipe, "--out", spec.run_dir]
+    for override in [*spec.overrides, f"sandbox.address={address}"]:
+        train += ["--set", override]
+    agent = [python, "-m", "megatron_tir.launch.agent", "--log-dir", str(Path(spec.run_dir) / "logs"),
+             "--service", "sandbox=" + shlex.join(sandbox), "--wait-tcp", address, "--wait-timeout", "300"]
+    return "\n".join(["# tir-launch: the sandbox cluster and the trainer on this machine", "set -euo pipefail",
+                      f"exec {shlex.join(agent)} \\\n    -- {shlex.join(train)}", ""])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LocalResult:
+    exit_code: int
+    run_dir: str
+    task_log: str | None  # nemo-run's log of the task
+
+
+def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = None) -> LocalResult:
+    """Run ``spec`` to completion through nemo-run's LocalExecutor (experiment files under
+    ``base_dir``, default ``$NEMORUN_HOME/experiments``)."""
+    import nemo_run as run
+
+    Path(spec.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    exit_file = Path(spec.run_dir, "logs", "main.exit")
+    exit_file.unlink(missing_ok=True)
+    env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)
+    script = run.Script(inline=local_script(spec, sandbox_port=free_port()))
+    with run.Experiment(f"tir-{Path(spec.run_dir).name}", executor=executor, base_dir=base_dir,
+                        log_level="WARN") as exp:
+        exp._skip_status_at_exit = True
+        exp.add(script, name="trainer")
+        exp.run(sequential=True, tail_logs=tail_logs)
+        exp_dir = exp._exp_dir
+    logs = sorted(glob.glob(os.path.join(exp_dir, "**", "combined.log"), recursive=True))  # stdout + stderr
+    try:
+        code = int(exit_file.read_text())
+    except (OSError, ValueError):
+        code = 1  # the agent did not get to run the trainer (it logged why)
+    return LocalResult(exit_code=code, run_dir=spec.run_dir, task_log=logs[-1] if logs else None)

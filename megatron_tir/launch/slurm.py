@@ -1,0 +1,303 @@
+"""A run on a Slurm cluster: one nemo-run experiment, one allocation, one ``srun`` step per group.
+
+The allocation asks for every group's nodes at once (``trainer + sglang + sandbox``); a
+setup block at the top of the sbatch script cuts ``$SLURM_JOB_NODELIST`` into the groups'
+node lists in that order and derives every address the trainer needs from the host names:
+
+    TIR_TRAINER_NODES / TIR_SGLANG_NODES / TIR_SANDBOX_NODES   each group's hosts
+    TIR_MASTER_ADDR      the trainer's first host (torchrun rendezvous)
+    TIR_ENGINE_URLS      http://<sglang host>:<port>, one per server (colocated: the trainer's hosts)
+    TIR_SANDBOX_ADDRESS  tcp://<first sandbox host>:<port> (sandbox.nodes 0: the trainer's first host)
+
+Each group is a nemo-run task (an inline ``Script``) with its own ``SlurmExecutor``; nemo-run
+merges them into one sbatch script with one backgrounded ``srun`` per group and stops the
+others when one ends. Each ``srun`` pins its group with ``--nodes/--nodelist`` and runs one
+task per node: ``python -m megatron_tir.launch.agent``, which keeps the SGLang servers and
+sandbox processes alive and, on trainer nodes, runs ``torchrun`` once (its exit ends the job).
+The groups start sandbox first, then SGLang, then the trainer, whose agents wait until the
+servers' ``/health`` and the broker answer.
+
+nemo-run limits met here (0.11.1; see LAUNCH_README_NOTES.md): its heterogeneous mode copies
+partition/account/time into every component and renders ``gpus_per_node=None`` literally,
+so no het job is used; a group's ``env_vars`` are ``export``-ed in the batch shell and leak
+into the groups started after it, so per-group variables are set inside each group's
+script; ``export KEY=value`` is written unquoted, so values are quoted here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_tir.launch.cluster import Cluster
+from megatron_tir.launch.spec import RunSpec
+from megatron_tir.rollout.engines.sglang.server import SGLangServerConfig
+
+GROUPS = ("trainer", "sglang", "sandbox")  # the allocation's hosts are cut in this order
+TASK_NAME = "run"
+
+
+def _dq(text: str) -> str:
+    """``text`` escaped for use inside a bash double-quoted string (no expansion)."""
+    for ch in ("\\", '"', "$", "`"):
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
+def node_ranges(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """group -> (first index, count) into the allocation's sorted host list."""
+    out, start = {}, 0
+    for group in GROUPS:
+        count = getattr(cluster, group).nodes
+        out[group] = (start, count)
+        start += count
+    return out
+
+
+def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
+    """Bash run once in the batch script: the groups' hosts and the addresses derived from them."""
+    ranges = node_ranges(cluster)
+    t0 = ranges["trainer"][0]
+    g0, gn = ranges["sglang"] if not cluster.sglang.colocated else ranges["trainer"]
+    s0 = ranges["sandbox"][0] if cluster.sandbox.nodes else t0
+    ports = " ".join(str(cluster.sglang.port + i) for i in range(cluster.servers_per_node))
+    lines = [
+        "# tir-launch: one allocation split among the groups (srun steps, no heterogeneous job)",
+        'TIR_NODES=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
+        f'if [ "${{#TIR_NODES[@]}}" -ne {cluster.total_nodes} ]; then',
+        f'    echo "tir-launch: expected {cluster.total_nodes} nodes, got ${{#TIR_NODES[@]}}" >&2; exit 1',
+        "fi",
+        'tir_join() { local IFS=,; echo "$*"; }',
+    ]
+    for group, (first, count) in ranges.items():
+        value = f'$(tir_join "${{TIR_NODES[@]:{first}:{count}}}")' if count else '""'
+        lines.append(f"export TIR_{group.upper()}_NODES={value}")
+    lines += [
+        f'export TIR_MASTER_ADDR="${{TIR_NODES[{t0}]}}"',
+        'TIR_ENGINE_URLS=""',
+        f'for host in "${{TIR_NODES[@]:{g0}:{gn}}}"; do',
+        f"    for port in {ports}; do",
+        '        TIR_ENGINE_URLS="${TIR_ENGINE_URLS:+$TIR_ENGINE_URLS,}http://$host:$port"',
+        "    done",
+        "done",
+        "export TIR_ENGINE_URLS",
+        f'export TIR_SANDBOX_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port}"',
+        f'export TIR_SANDBOX_WORKER_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port + 1}"',
+        f"export TIR_RUN_DIR={shlex.quote(spec.run_dir)}",
+        'mkdir -p "$TIR_RUN_DIR/logs"',
+        'echo "tir-launch: trainer $TIR_TRAINER_NODES | sglang ${TIR_SGLANG_NODES:-colocated} | '
+        'sandbox ${TIR_SANDBOX_NODES:-beside the trainer}"',
+        'echo "tir-launch: engine $TIR_ENGINE_URLS | sandbox $TIR_SANDBOX_ADDRESS | run dir $TIR_RUN_DIR"',
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
+    """(bash lines run before it, the trainer's command line in bash with the setup block's variables).
+
+    A new run's command line chooses at run time: Slurm requeues a job whose node failed
+    (nemo-run submits with ``--requeue``), and the job's next attempt finds the run's
+    checkpoints; it continues from the last one instead of starting over."""
+    gpus = cluster.node.gpus_per_node
+    world = cluster.trainer.nodes * gpus
+    dp = world // (spec.layout.tp * spec.layout.pp)
+    torchrun = (f"torchrun --nnodes={cluster.trainer.nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
+                f'--rdzv-endpoint="$TIR_MASTER_ADDR:{cluster.master_port}" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0')
+    before = [f"# torchrun: {cluster.trainer.nodes} nodes x {gpus} GPUs = {world} ranks = "
+              f"TP {spec.layout.tp} x PP {spec.layout.pp} x DP {dp}"]
+    if spec.resume:
+        before.append('source=(--resume "$TIR_RUN_DIR")')
+    else:
+        before += ["# a requeued attempt of this job continues from the run's last checkpoint",
+                   f'source=(--recipe {shlex.quote(spec.recipe)} --out "$TIR_RUN_DIR")',
+                   'if [ -e "$TIR_RUN_DIR/checkpoints/latest" ]; then source=(--resume "$TIR_RUN_DIR"); fi']
+    train = 'megatron_tir.cli train "${source[@]}"'
+    sets = ["--set " + shlex.quote(o) for o in spec.overrides]
+    if not spec.resume and cluster.model_path(spec.layout.model) != spec.layout.model:
+        sets.append("--set " + shlex.quote(f"model={cluster.model_path(spec.layout.model)}"))
+    sets += [f"--set learner.tp={spec.layout.tp}", f"--set learner.pp={spec.layout.pp}", "--set engine.kind=sglang",
+             '--set "engine.urls=$TIR_ENGINE_URLS"',
+             f"--set engine.colocated={'true' if cluster.sglang.colocated else 'false'}",
+             '--set "sandbox.address=$TIR_SANDBOX_ADDRESS"']
+    return "\n".join(before), " \\\n    ".join([torchrun + " -m " + train, *sets])
+
+
+def sglang_services(cluster: Cluster, model: str) -> list[str]:
+    """``--service`` arguments (bash words) for this node's SGLang servers."""
+    colocated = cluster.sglang.colocated
+    mem = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
+    words = []
+    for i in range(cluster.servers_per_node):
+        server = SGLangServerConfig(
+            model_path=cluster.model_path(model), host="0.0.0.0", port=cluster.sglang.port + i,
+            tp_size=cluster.sglang_tp, base_gpu_id=i * cluster.sglang_tp, mem_fraction_static=mem,
+            colocated=colocated, extra_args=tuple(cluster.sglang.extra_args),
+            launcher=("python", "-m", "sglang.launch_server"))
+        words.append(f'--service "sglang-{server.port}={_dq(shlex.join(server.argv()))}"')
+    return words
+
+
+def sandbox_services(cluster: Cluster, *, head: bool) -> list[str]:
+    words = []
+    if head:
+        words.append(f'--service "sandbox-broker=sandbox-cluster broker --bind tcp://0.0.0.0:{cluster.sandbox.port}"')
+    words.append(f'--service "sandbox-worker=sandbox-cluster worker --connect $TIR_SANDBOX_WORKER_ADDRESS '
+                 f'--slots {cluster.sandbox.workers_per_node} --name $(hostname -s)"')
+    return words
+
+
+def _script(group: str, cluster: Cluster, body: list[str]) -> str:
+    env = {**cluster.env, **getattr(cluster, group).env}
+    lines = [f"# tir-launch: {group} group, one agent per node", "set -euo pipefail"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    lines.append(f'agent=(python -m megatron_tir.launch.agent --log-dir "$TIR_RUN_DIR/logs/{group}-$(hostname -s)")')
+    return "\n".join(lines + body) + "\n"
+
+
+def trainer_script(cluster: Cluster, spec: RunSpec) -> str:
+    body = []
+    if cluster.sglang.colocated:
+        body.append("# SGLang colocated on this node's GPUs (memory released while the trainer trains)")
+        body.append("agent+=(" + " ".join(sglang_services(cluster, spec.layout.model)) + ")")
+    if cluster.sandbox.nodes == 0:
+        body += ["# the sandbox beside the trainer, on the first trainer node's CPUs",
+                 'if [ "$SLURM_PROCID" = 0 ]; then agent+=(' + " ".join(sandbox_services(cluster, head=True)) + "); fi"]
+    before, command = trainer_argv(cluster, spec)
+    body += ['agent+=(--wait-http "$TIR_ENGINE_URLS" --wait-tcp "$TIR_SANDBOX_ADDRESS")', before,
+             'exec "${agent[@]}" -- ' + command]
+    return _script("trainer", cluster, body)
+
+
+def sglang_script(cluster: Cluster, spec: RunSpec) -> str:
+    return _script("sglang", cluster, [
+        f"# {cluster.servers_per_node} server(s) of TP {cluster.sglang_tp} per node",
+        "agent+=(" + " ".join(sglang_services(cluster, spec.layout.model)) + ")",
+        'exec "${agent[@]}"'])
+
+
+def sandbox_script(cluster: Cluster, spec: RunSpec) -> str:
+    return _script("sandbox", cluster, [
+        "# the broker on the group's first node, a worker on every node",
+        'if [ "$SLURM_PROCID" = 0 ]; then agent+=(' + " ".join(sandbox_services(cluster, head=True)[:1]) + "); fi",
+        "agent+=(" + " ".join(sandbox_services(cluster, head=False)) + ")",
+        'exec "${agent[@]}"'])
+
+
+# ----------------------------------------------------------------------------- nemo-run
+
+
+def _mounts(cluster: Cluster, spec: RunSpec, group: str) -> list[str]:
+    """The group's mounts, plus the run dir's parent at its own path unless a mount already
+    shows it there (the run dir is a host path in every group's command line)."""
+    mounts = cluster.mounts_of(group)
+    run_parent = Path(spec.run_dir).parent
+    same_path = [Path(src) for src, dst, *_ in (m.split(":") for m in mounts) if src == dst]
+    if not any(run_parent == p or p in run_parent.parents for p in same_path):
+        mounts.append(f"{run_parent}:{run_parent}")
+    return mounts
+
+
+def experiments_dir(cluster: Cluster) -> str:
+    """Where nemo-run keeps the experiment (sbatch script, group scripts, srun logs).
+
+    With a ``LocalTunnel`` nemo-run copies nothing: it submits the files it wrote into the
+    experiment's local folder from the tunnel's folder, so the two must be the same path;
+    the experiment's ``base_dir`` is ``job_dir`` and nemo-run appends ``experiments/``."""
+    return os.path.join(cluster.job_dir, "experiments")
+
+
+def _executor(cluster: Cluster, spec: RunSpec, group: str):
+    import nemo_run as run
+    from nemo_run.core.tunnel.client import LocalTunnel
+
+    count = node_ranges(cluster)[group][1]
+    srun_args = [f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+                 f"--nodelist=$TIR_{group.upper()}_NODES", f"--cpus-per-task={cluster.node.cpus_per_node}"]
+    if group == "sandbox":
+        srun_args.append("--gres=gpu:0")  # no GPUs for this step ("--gres=none" is refused when the job asked --gpus-per-node)
+    return run.SlurmExecutor(
+        account=cluster.account, partition=cluster.partition_of("trainer"), qos=cluster.qos, time=cluster.time,
+        nodes=cluster.total_nodes, ntasks_per_node=1, gpus_per_node=cluster.node.gpus_per_node, exclusive=True,
+        mem="0", container_image=cluster.image_of(group), container_mounts=_mounts(cluster, spec, group),
+        env_vars={k: shlex.quote(v) for k, v in cluster.env.items()}, srun_args=srun_args,
+        setup_lines=setup_lines(cluster, spec), job_name_prefix="tir-", tunnel=LocalTunnel(job_dir=experiments_dir(cluster)),
+        packager=run.Packager(), wait_time_for_group_job=5, monitor_group_job_wait_time=30)
+
+
+def add_tasks(exp, cluster: Cluster, spec: RunSpec) -> list[str]:
+    """The run's groups as one nemo-run task group of ``exp``: one task per group with nodes, sandbox
+    first; returns the groups in task order."""
+    import nemo_run as run
+
+    groups = [g for g in ("sandbox", "sglang") if getattr(cluster, g).nodes] + ["trainer"]
+    scripts = {"trainer": trainer_script, "sglang": sglang_script, "sandbox": sandbox_script}
+    exp.add([run.Script(inline=scripts[g](cluster, spec)) for g in groups],
+            executor=[_executor(cluster, spec, g) for g in groups], name=TASK_NAME)
+    return groups
+
+
+def _title(spec: RunSpec) -> str:
+    return f"tir-{Path(spec.run_dir).name}"
+
+
+@contextlib.contextmanager
+def _no_stdin():
+    saved = sys.stdin
+    with open(os.devnull) as sys.stdin:
+        try:
+            yield
+        finally:
+            sys.stdin = saved
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rendered:
+    sbatch: str  # the batch script
+    scripts: dict[str, str]  # group -> its inline script (nemo-run runs it as /nemo_run/scripts/<job>.sh)
+    script_names: dict[str, str]  # group -> that file's name
+
+
+def render(cluster: Cluster, spec: RunSpec) -> Rendered:
+    """The sbatch script nemo-run would submit and the groups' scripts, rendered without a
+    cluster (nemo-run's dryrun)."""
+    import nemo_run as run
+
+    # nemo-run packages through invoke, which reads stdin while its commands run: give it none.
+    with tempfile.TemporaryDirectory(prefix="tir-launch-dryrun-") as tmp, _no_stdin():
+        with run.Experiment(_title(spec), base_dir=tmp, log_level="WARN", clean_mode=True) as exp:
+            exp._skip_status_at_exit = True
+            groups = add_tasks(exp, cluster, spec)
+            exp.dryrun(log=False, delete_exp_dir=False)
+        (path,) = glob.glob(os.path.join(tmp, "**", "*_sbatch.sh"), recursive=True)
+        sbatch = Path(path).read_text()
+        scripts, names = {}, {}
+        for group, script in zip(groups, sorted(glob.glob(os.path.join(tmp, "**", "scripts", "*.sh"), recursive=True),
+                                                key=lambda p: int(Path(p).stem.rsplit("-", 1)[1])), strict=True):
+            scripts[group] = Path(script).read_text()
+            names[group] = Path(script).name
+        return Rendered(sbatch=sbatch, scripts=scripts, script_names=names)
+
+
+def submit(cluster: Cluster, spec: RunSpec) -> str:
+    """Submit the run with sbatch (from a login node: nemo-run's LocalTunnel); returns the
+    experiment id. A refused submission is a ValueError with sbatch's own last line."""
+    import invoke
+    import nemo_run as run
+
+    try:
+        with _no_stdin(), run.Experiment(_title(spec), base_dir=cluster.job_dir, log_level="WARN") as exp:
+            add_tasks(exp, cluster, spec)
+            exp.run(detach=True)
+            return exp._id
+    except invoke.exceptions.UnexpectedExit as exc:
+        lines = (exc.result.stderr or exc.result.stdout or "").strip().splitlines()
+        raise ValueError(f"sbatch refused the job: {lines[-1] if lines else f'exit status {exc.result.exited}'}") from None

@@ -1,0 +1,59 @@
+"""Advantage estimators without a critic: GRPO (group-relative) and Reinforce++ (batch-normalised).
+
+Both take an outcome reward per trajectory (``rewards_B``) and a boolean ``stats_B`` that says
+which rows enter the statistics (see :func:`megatron_tir.rl.rows.row_weights`: void rows do,
+tool-failed and aborted rows do not). Rows outside the statistics get advantage 0.
+Standard deviations are the unbiased (n - 1) estimate, as torch.std; a group or batch with
+fewer than two counted rows has std 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _masked_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased std) of ``x`` over ``mask``; 0 where fewer than 1 / 2 entries count."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    return mean, var.sqrt()
+
+
+def grpo_advantages_B(rewards_B: torch.Tensor, group_index_B: torch.Tensor, stats_B: torch.Tensor, *,
+                      std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` over the counted rows of row i's group g
+    (``std_normalize=False``: ``A_i = r_i - mean_g``, Dr. GRPO). Every sampled trajectory
+    that counts shapes its group's mean and std, whether or not it is trained on."""
+    assert rewards_B.shape == group_index_B.shape == stats_B.shape and rewards_B.dim() == 1
+    rewards_B = rewards_B.float()
+    stats_B = stats_B.bool()
+    adv_B = torch.zeros_like(rewards_B)
+    for g in torch.unique(group_index_B):
+        in_g = (group_index_B == g) & stats_B
+        if not in_g.any():
+            continue
+        mean, std = _masked_std(rewards_B, in_g.float())
+        a = rewards_B - mean
+        if std_normalize and std + eps > 0:  # a zero-std group has a = 0 already
+            a = a / (std + eps)
+        adv_B = torch.where(in_g, a, adv_B)
+    return adv_B
+
+
+def reinforce_pp_advantages_BT(rewards_B: torch.Tensor, mask_BT: torch.Tensor, stats_B: torch.Tensor, *,
+                               gamma: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
+    """Reinforce++: per-token discounted returns of the outcome reward, whitened over the batch.
+
+    The return of model token t of row b is ``r_b * gamma ** k`` where k is the number of
+    model tokens after t (feedback tokens do not count as steps); the returns are then
+    normalised by the mean and std over all model tokens of the counted rows (no critic).
+    Result is 0 outside ``mask_BT`` and on rows outside the statistics.
+    """
+    assert mask_BT.dim() == 2 and rewards_B.shape == stats_B.shape == mask_BT.shape[:1]
+    mask_BT = mask_BT.float()
+    after_BT = mask_BT.flip(1).cumsum(1).flip(1) - mask_BT  # model tokens strictly after t
+    returns_BT = rewards_B.float()[:, None] * torch.pow(torch.tensor(gamma), after_BT)
+    counted_BT = mask_BT * stats_B.float()[:, None]
+    mean, std = _masked_std(returns_BT, counted_BT)
+    return (returns_BT - mean) / (std + eps) * counted_BT

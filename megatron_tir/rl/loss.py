@@ -1,0 +1,134 @@
+"""The policy loss: the clipped surrogate (clip-low / clip-high, dual clip), KL and entropy terms,
+the two aggregations, and the per-token loss function handed to ``Learner.train_step``.
+
+Per token, with ratio ``rho = exp(logp - logp_old)`` and advantage ``A``::
+
+    l = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))      (PPO, DAPO clip-higher)
+    l = min(l, -A * dual_clip)               where A < 0                (dual clip, c = 3)
+    l += kl_coef * k3(logp, logp_ref) - entropy_coef * H                (both off by default)
+
+Aggregation (the Learner does it across micro-batches and DP ranks; :func:`aggregate` is the
+reference): ``seq_mean`` is the paper's Eq. 1 -- each trajectory's mean over its loss tokens,
+then the mean over trajectories; ``token_mean`` is the sum over all loss tokens of the
+mini-batch divided by their count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0  # None: off
+    kl_coef: float = 0.0  # > 0: the trainer builds a frozen reference learner for ref_logprobs_BT
+    entropy_coef: float = 0.0
+    aggregation: str = "token_mean"  # token_mean | seq_mean (Eq. 1)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.clip_low < 1:
+            raise ValueError(f"clip_low must be in (0, 1), got {self.clip_low}")
+        if self.clip_high <= 0:
+            raise ValueError(f"clip_high must be > 0, got {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+
+
+def clipped_surrogate_BT(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor, *,
+                         clip_low: float, clip_high: float, dual_clip: float | None
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate loss and per-token indicators (float 0/1):
+    ``clip_low`` (A < 0 and rho < 1 - clip_low), ``clip_high`` (A > 0 and rho > 1 + clip_high),
+    ``dual_clip`` (A < 0 and -A * rho exceeds -A * c), plus ``ratio``."""
+    ratio_BT = torch.exp((logprobs_BT - old_logprobs_BT).clamp(-20.0, 20.0))
+    unclipped = -advantages_BT * ratio_BT
+    clipped = -advantages_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    loss_BT = torch.maximum(unclipped, clipped)
+    neg = advantages_BT < 0
+    dual_BT = torch.zeros_like(neg)
+    if dual_clip is not None:
+        cap = -advantages_BT * dual_clip
+        dual_BT = neg & (loss_BT > cap)
+        loss_BT = torch.where(dual_BT, cap, loss_BT)
+    r = ratio_BT.detach()
+    metrics = {
+        "ratio": r,
+        "clip_low": (neg & (r < 1 - clip_low)).float(),
+        "clip_high": ((advantages_BT > 0) & (r > 1 + clip_high)).float(),
+        "dual_clip": dual_BT.float(),
+    }
+    return loss_BT, metrics
+
+
+def kl_k3_BT(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(pi || pi_ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp`` (>= 0)."""
+    d = (ref_logprobs_BT - logprobs_BT).clamp(-20.0, 20.0)
+    return torch.exp(d) - d - 1
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Reference aggregation of a per-token loss over ``mask_BT`` (the Learner's contract)."""
+    mask_BT = mask_BT.float()
+    if aggregation == "token_mean":
+        return (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    if aggregation == "seq_mean":
+        n_B = mask_BT.sum(1)
+        rows = n_B > 0
+        per_row = (loss_BT * mask_BT).sum(1)[rows] / n_B[rows]
+        return per_row.mean() if rows.any() else loss_BT.sum() * 0
+    raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+
+
+class PolicyLoss:
+    """The Learner's ``LossFn``: ``(logprobs_BT, entropy_BT | None, extras) -> (loss_BT, metrics_BT)``.
+
+    ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
+    ``kl_coef > 0``). ``max_ratio`` keeps the largest importance ratio seen on loss tokens
+    since :meth:`reset` (the Learner reports means only). ``high_ratio_bound`` (mode
+    high_ratio_filter): tokens whose ratio exceeds it get no loss.
+    """
+
+    def __init__(self, config: LossConfig, *, high_ratio_bound: float | None = None) -> None:
+        assert high_ratio_bound is None or high_ratio_bound > 1
+        self.config = config
+        self.high_ratio_bound = high_ratio_bound
+        self.max_ratio = 0.0
+
+    def reset(self) -> None:
+        self.max_ratio = 0.0
+
+    def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None,
+                 extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.config
+        loss_BT, metrics = clipped_surrogate_BT(logprobs_BT, extras["old_logprobs_BT"], extras["advantages_BT"],
+                                                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                                dual_clip=cfg.dual_clip)
+        if "loss_mask_BT" in extras:
+            on = extras["loss_mask_BT"] > 0
+            if on.any():
+                self.max_ratio = max(self.max_ratio, float(metrics["ratio"][on].max()))
+        if self.high_ratio_bound is not None:
+            high_BT = metrics["ratio"] > self.high_ratio_bound
+            loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
+            metrics["high_ratio_masked"] = high_BT.float()
+        if cfg.kl_coef > 0:
+            kl_BT = kl_k3_BT(logprobs_BT, extras["ref_logprobs_BT"])
+            loss_BT = loss_BT + cfg.kl_coef * kl_BT
+            metrics["kl"] = kl_BT.detach()
+        if cfg.entropy_coef > 0:
+            if entropy_BT is None:
+                raise ValueError("entropy_coef > 0 needs the entropy (train_step with_entropy=True)")
+            loss_BT = loss_BT - cfg.entropy_coef * entropy_BT
+        if entropy_BT is not None:
+            metrics["entropy"] = entropy_BT.detach()
+        return loss_BT, metrics

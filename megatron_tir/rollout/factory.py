@@ -1,0 +1,153 @@
+"""The one place that builds a rollout's generation engine and sandbox (eval and trainer).
+
+* :class:`EngineConfig` says which engine (``local``: the in-process torch engine;
+  ``sglang``: HTTP client of SGLang servers) and for which model;
+  :func:`engine_settings` turns it into the engine's own typed config, whose
+  ``__post_init__`` holds the bounds (so they are checked once, there, before anything
+  loads); :func:`build_engine` loads it and returns ``(engine, tokenizer)``.
+* :class:`SandboxConfig` says where the sandbox broker is (``None``: start a
+  :class:`~sandbox_cluster.LocalCluster` with ``workers`` workers, whose constructor
+  checks its bounds); :func:`open_sandbox` is a context manager yielding a
+  :class:`~megatron_tir.rollout.sandbox.ClusterSandbox`.
+* :func:`probe_engine` and :func:`probe_sandbox` send one tiny request each and raise
+  :class:`InfrastructureError` (one line, saying what did not answer) when it fails, so
+  a run does not start against an engine or a sandbox that is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.sandbox import ClusterSandbox, Sandbox
+from sandbox_cluster.protocol import Status
+
+log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("local", "sglang")
+
+
+class InfrastructureError(RuntimeError):
+    """An engine or a sandbox did not answer: not the user's input, not the model's doing."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    kind: str = "local"  # "local" (in-process torch engine, CPU default) | "sglang" (HTTP servers)
+    model: str = "smollm2"  # "smollm2", "tiny-qwen2" or an HF model directory (SGLang: its tokenizer)
+    urls: tuple[str, ...] = ()  # sglang: server (or router) URLs
+    colocated: bool = False  # sglang: servers share the trainer's GPUs (the trainer's weight sync reads it)
+    max_batch_size: int = 8  # local: requests decoded together
+    seed: int = 0  # local: seeds requests that carry no seed of their own
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
+        self.urls = tuple(self.urls)
+        if self.kind == "sglang" and not self.urls:
+            raise ValueError("engine kind 'sglang' needs urls")
+        if self.kind == "local" and self.urls:
+            raise ValueError("engine urls are only used with engine kind 'sglang'")
+        if self.kind == "local" and self.colocated:
+            raise ValueError("engine colocated is only used with engine kind 'sglang'")
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxConfig:
+    address: str | None = None  # broker address (tcp://host:5555, ipc://...); None: start a LocalCluster
+    workers: int = 2  # workers of the LocalCluster started when address is None
+    probe_timeout_s: float = 60.0  # the start-up probe's wait (a fresh cluster warms its workers first)
+
+    def __post_init__(self) -> None:
+        if self.address is not None and not self.address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"sandbox address must be tcp://, ipc:// or inproc://, got {self.address!r}")
+        if not self.probe_timeout_s > 0:
+            raise ValueError(f"sandbox probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+
+
+def resolve_model_dir(cfg: EngineConfig) -> Path:
+    """The HF directory of ``cfg.model`` (ValueError naming the model when there is none)."""
+    from megatron_tir.model_sources import resolve_model
+
+    return resolve_model(cfg.model)
+
+
+def engine_settings(cfg: EngineConfig, model_dir: Path):
+    """The engine's own config for ``cfg`` (checks its bounds; loads nothing but the tokenizer for SGLang)."""
+    if cfg.kind == "local":
+        from megatron_tir.rollout.engines.local import LocalEngineConfig
+
+        return LocalEngineConfig(model=str(model_dir), max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+    from transformers import AutoTokenizer
+
+    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
+    from megatron_tir.rollout.engines.sglang import SGLangEngineConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=resolve_eos_token_ids(model_dir, tokenizer=tokenizer))
+
+
+def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=None) -> tuple[GenerationEngine, object]:
+    """Start the engine of ``cfg``; returns ``(engine, tokenizer)``.
+
+    ``model_dir`` defaults to :func:`resolve_model_dir`; ``settings`` (from
+    :func:`engine_settings`) lets a caller check the configuration before starting.
+    """
+    model_dir = resolve_model_dir(cfg) if model_dir is None else Path(model_dir)
+    settings = engine_settings(cfg, model_dir) if settings is None else settings
+    if cfg.kind == "local":
+        from megatron_tir.rollout.engines.local import LocalEngine
+
+        engine = LocalEngine(settings)
+        return engine, engine.tokenizer
+    from transformers import AutoTokenizer
+
+    from megatron_tir.rollout.engines.sglang import SGLangEngine
+
+    return SGLangEngine(settings), AutoTokenizer.from_pretrained(model_dir)
+
+
+@contextlib.contextmanager
+def open_sandbox(cfg: SandboxConfig) -> Iterator[ClusterSandbox]:
+    """A sandbox client for ``cfg`` (starting a LocalCluster when it has no address); closed on exit."""
+    with contextlib.ExitStack() as stack:
+        address = cfg.address
+        if address is None:
+            from sandbox_cluster import LocalCluster
+
+            log.info("starting a local sandbox cluster with %d workers", cfg.workers)
+            address = stack.enter_context(LocalCluster(workers=cfg.workers)).address
+        sandbox = ClusterSandbox.connect(address)
+        stack.callback(sandbox.close)
+        yield sandbox
+
+
+async def probe_engine(engine: GenerationEngine, tokenizer, *, timeout_s: float = 120.0, what: str = "engine") -> None:
+    """One 1-token request; :class:`InfrastructureError` when the engine does not answer with a token."""
+    prompt = list(tokenizer.encode("1 + 1 =", add_special_tokens=False)) or [0]
+    try:
+        gen = await asyncio.wait_for(engine.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0)),
+                                     timeout_s)
+    except TimeoutError:
+        raise InfrastructureError(f"{what} did not answer a 1-token request within {timeout_s:g} s") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the engine raised, it is not there
+        raise InfrastructureError(f"{what} did not answer a 1-token request: {type(exc).__name__}: {exc}") from None
+    if gen.finish_reason is FinishReason.ABORT or not gen.token_ids:
+        raise InfrastructureError(f"{what} aborted a 1-token request (finish {gen.finish_reason.value})")
+
+
+async def probe_sandbox(sandbox: Sandbox, *, timeout_s: float = 60.0, what: str = "sandbox") -> None:
+    """Run ``print(1)``; :class:`InfrastructureError` unless it prints 1."""
+    try:
+        res = await asyncio.wait_for(sandbox.execute("print(1)", timeout=10.0, memory_mb=256), timeout_s)
+    except TimeoutError:
+        raise InfrastructureError(f"{what} did not run print(1) within {timeout_s:g} s") from None
+    except Exception as exc:  # noqa: BLE001
+        raise InfrastructureError(f"{what} did not run print(1): {type(exc).__name__}: {exc}") from None
+    if res.status is not Status.OK or res.stdout != "1\n":
+        raise InfrastructureError(f"{what} did not run print(1): {res.status.value} {res.message}".rstrip())

@@ -1,0 +1,106 @@
+"""``megatron-tir train`` and ``megatron-tir plot``: argument parsing and run setup.
+
+    megatron-tir train --recipe NAME [--set key=value ...] --out RUN_DIR
+    megatron-tir train --resume RUN_DIR [--set key=value ...]
+    megatron-tir plot RUN_DIR
+
+Every trainer rank runs ``train`` (torchrun/SPMD; RANK/WORLD_SIZE from the environment,
+one process without them). Everything typed is checked before anything slow starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--recipe", help="tiny-cpu | smollm2-cpu | qwen2.5-7b-simpletir | qwen2.5-32b-simpletir")
+    src.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--out", metavar="RUN_DIR", help="a new run directory (with --recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. rollout.max_turns=10 (repeatable)")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def prepare(args: argparse.Namespace):
+    """(config, run dir, trainer state, overrides to record) from the arguments; ValueError on bad input."""
+    from megatron_tir.train.checkpoint import STATE, RunCheckpoints, TrainerState
+    from megatron_tir.train.config import apply_overrides, from_dict, load_recipe, to_dict
+
+    if args.recipe is not None:
+        if not args.out:
+            raise ValueError("--recipe needs --out RUN_DIR")
+        run_dir = Path(args.out)
+        if _rank() == 0 and run_dir.exists() and any(p.name not in LAUNCHER_ENTRIES for p in run_dir.iterdir()):
+            raise ValueError(f"--out {run_dir} exists and is not empty (continue it with --resume {run_dir})")
+        cfg = apply_overrides(load_recipe(args.recipe), args.overrides)
+        state = TrainerState()
+    else:
+        if args.out:
+            raise ValueError("--out is only used with --recipe (a resumed run stays in its directory)")
+        run_dir = Path(args.resume)
+        config_path = run_dir / CONFIG_FILE
+        if not config_path.is_file():
+            raise ValueError(f"--resume {run_dir}: no {CONFIG_FILE} (not a run directory)")
+        latest = RunCheckpoints(run_dir, keep_last=1).latest()
+        if latest is None:
+            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet")
+        state = TrainerState(**json.loads((latest / STATE).read_text()))
+        try:
+            cfg = from_dict(json.loads(config_path.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{config_path}: {exc}") from None
+        cfg = apply_overrides(cfg, args.overrides)
+    if cfg.trainer.steps <= state.step:
+        raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
+    recorded = [{"step": state.step + 1, "key": k, "value": v}
+                for k, _, v in (o.partition("=") for o in args.overrides)]
+    state.overrides = state.overrides + recorded
+    state.config = to_dict(cfg)
+    return cfg, run_dir, state
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    from megatron_tir.train.run import run_training
+
+    cfg, run_dir, state = prepare(args)
+    state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    if _rank() == 0:
+        print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
+    return 0
+
+
+def add_plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR")
+
+
+def run_plot_command(args: argparse.Namespace) -> int:
+    from megatron_tir.train.metrics import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``train`` and ``plot`` to the ``megatron-tir`` subcommands."""
+    for name, help_text, add_args, func in (
+            ("train", "GRPO training with multi-turn TIR rollouts (recipes, --set overrides, --resume)",
+             add_train_args, run_train_command),
+            ("plot", "write PNG curves of a run's metrics into RUN_DIR/plots", add_plot_args, run_plot_command)):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(func=func)

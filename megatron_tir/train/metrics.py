@@ -1,0 +1,136 @@
+"""Training metrics: what a step's rollouts did, one JSON line per step, TensorBoard, PNG curves.
+
+Rollout behaviour is :func:`megatron_tir.eval.metrics.trajectory_metrics` (SimpleTIR's
+``num_turns``, ``finish_ratio``, ``void_turn_ratio``, ``code_use_ratio``, ``valid_code_ratio``,
+and this project's ``void_trajectory_ratio``, ``code_trajectory_ratio``, ``correct_with_code``,
+... -- defined there); the trainer adds
+reward/accuracy over every sampled trajectory, feedback tokens, and the mean engine log-prob
+of the model tokens of each turn index (``logprob_turn_K``, SimpleTIR's Figure 3 signal:
+it falls in later turns when feedback drifts the model off its distribution).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_tir.eval.metrics import trajectory_metrics
+from megatron_tir.rollout.batch import Group
+
+METRICS_FILE = "metrics.jsonl"
+PLOTS = {  # file name -> metric keys drawn together
+    "reward.png": ("rollout/reward", "eval/reward"),
+    "code_use.png": ("rollout/code_trajectory_ratio", "eval/code_trajectory_ratio", "rollout/code_use_ratio",
+                     "rollout/valid_code_ratio"),
+    "void.png": ("rollout/void_trajectory_ratio", "rollout/void_turn_ratio", "rollout/void_turn_share"),
+    "response_length.png": ("rollout/mean_model_tokens", "rollout/mean_feedback_tokens"),
+    "turns.png": ("rollout/num_turns",),
+    "train.png": ("train/loss", "train/grad_norm"),
+    "clip.png": ("train/clip_low", "train/clip_high", "train/dual_clip"),
+    "timing.png": ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/checkpoint"),
+}
+
+
+def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[str, float]:
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    out = {
+        "reward": sum(t.reward or 0.0 for t in trajs) / len(trajs),
+        "accuracy": sum(t.correct for t in trajs) / len(trajs),
+        **trajectory_metrics(trajs),
+        "trajectories": float(len(trajs)),
+        # per trajectory (they overlap in time: many trajectories are in flight at once)
+        "generation_s": sum(t.timings.generation_s for t in trajs) / len(trajs),
+        "tool_s": sum(t.timings.tool_s for t in trajs) / len(trajs),
+        "reward_s": sum(t.timings.reward_s for t in trajs) / len(trajs),
+    }
+    out["mean_feedback_tokens"] = out["mean_response_tokens"] - out["mean_model_tokens"]
+    for status, n in Counter(t.status.value if t.status else "none" for t in trajs).items():
+        out[f"status_{status}"] = float(n)
+    by_turn: dict[int, list[float]] = {}
+    for t in trajs:
+        for turn in t.turns:
+            lp = t.response_logprobs[turn.start:turn.start + turn.model_tokens]
+            if lp:
+                by_turn.setdefault(turn.index, []).extend(lp)
+    for k, lps in sorted(by_turn.items()):
+        out[f"logprob_turn_{k}"] = sum(lps) / len(lps)
+    return {f"{prefix}/{k}": v for k, v in out.items()}
+
+
+class MetricsSink:
+    """Appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` and writes TensorBoard events
+    to ``RUN_DIR/tb`` (rank 0 only)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, truncate_to: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_to is not None and self.path.exists():  # a resume drops lines of steps run after the checkpoint
+            with open(self.path, "r+b") as f:
+                f.truncate(truncate_to)
+        self._file = open(self.path, "a")
+        self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    @property
+    def offset(self) -> int:
+        self._file.flush()
+        return self._file.tell()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no {METRICS_FILE} (not a run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | os.PathLike) -> list[Path]:
+    """PNG curves of the main metrics into ``RUN_DIR/plots``; the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}: {METRICS_FILE} is empty")
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for name, keys in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drawn = False
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
+                drawn = True
+        if drawn:
+            ax.set_xlabel("step")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(out_dir / name, dpi=100)
+            written.append(out_dir / name)
+        plt.close(fig)
+    return written

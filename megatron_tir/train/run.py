@@ -1,0 +1,49 @@
+"""Set up one trainer rank (process groups, learner, rank 0's rollout worker), run the loop, tear down."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
+from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.loop import train
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume: bool) -> TrainerState:
+    """Every rank calls this with the same arguments; returns the final trainer state."""
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.parallel import destroy_parallel, init_parallel
+    from megatron_tir.train.rollouts import RolloutWorker
+
+    torch.manual_seed(cfg.trainer.seed)
+    init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed)
+    rank = torch.distributed.get_rank()
+    worker = None
+    try:
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
+        learner = Learner(cfg.learner)
+        # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
+        reference = Learner(cfg.learner) if cfg.trainer.loss.kl_coef > 0 else None
+        if resume:
+            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last).load(learner)
+            state.step, state.data_position = loaded.step, loaded.data_position
+            state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
+            log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
+        if rank == 0:
+            worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, model_dir=resolve_model(cfg.model))
+        if resume:  # the engines start from the base weights: give them the policy's
+            worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+        return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)
+    finally:
+        if worker is not None:
+            worker.close()
+        destroy_parallel()

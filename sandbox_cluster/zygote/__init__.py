@@ -1,0 +1,20 @@
+"""The zygote: a warm, root-owned interpreter per slot that forks one isolated child per cell.
+
+A worker starts it with ``python -P -m sandbox_cluster.zygote`` and a *clean* environment
+(so neither its memory nor ``/proc/<pid>/environ`` holds the worker's secrets), hands it one
+end of a socketpair, and speaks length-prefixed msgpack over it (``protocol.send_frame``):
+a hello, then requests in, results out. The zygote holds no ZeroMQ state (ZeroMQ's threads
+do not survive ``fork``).
+
+- ``serve``: the process: its own pid namespace, set-up, warm-up, the serving loop;
+- ``layers``: isolation set-up and probing (namespaces, cgroups, seccomp, the cells' root);
+- ``warm``: the warm interpreter (numpy, sympy exercised; GC frozen; heap in huge pages);
+- ``slot``: the ``Zygote``: forks the next cell ahead, runs a request, cleans up after it;
+- ``supervise``: watching a running cell (wall clock, output cap) and naming its outcome;
+- ``cell``: the forked cell's body (limits, privilege drop, seccomp, the code).
+"""
+
+from .cell import CELL_ENV
+from .slot import Zygote
+
+__all__ = ["CELL_ENV", "Zygote"]

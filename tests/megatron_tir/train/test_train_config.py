@@ -1,0 +1,80 @@
+"""Recipes, --set overrides and config.json round trips; bad keys and values are one-line errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_tir.train.config import (
+    RECIPES,
+    apply_overrides,
+    from_dict,
+    load_recipe,
+    to_dict,
+)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipes_round_trip_through_json(name):
+    cfg = load_recipe(name)
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+    assert cfg.learner.model == cfg.engine.model == cfg.model
+
+
+def test_paper_hyper_parameters_in_the_simpletir_recipes():
+    for name, (tp, pp) in {"qwen2.5-7b-simpletir": (4, 1), "qwen2.5-32b-simpletir": (8, 2)}.items():
+        c = load_recipe(name)
+        assert (c.learner.tp, c.learner.pp, c.learner.lr, c.learner.grad_clip) == (tp, pp, 1e-6, 1.0)
+        assert (c.rollout.temperature, c.rollout.n_samples, c.rollout.max_turns, c.rollout.max_response_tokens) == (
+            1.0, 16, 5, 16384)
+        t = c.trainer
+        assert (t.sample_prompts, t.prompts_per_step, t.ppo_epochs, t.mode) == (1280, 512, 4, "simpletir")
+        assert (t.loss.clip_low, t.loss.clip_high, t.loss.dual_clip, t.loss.kl_coef, t.loss.entropy_coef) == (
+            0.2, 0.28, 3.0, 0.0, 0.0)
+        assert (t.schedule_max_turns, t.schedule_max_response_tokens, t.schedule_on_plateau) == (10, 24576, True)
+
+
+def test_launcher_keys_in_any_order():
+    cfg = apply_overrides(load_recipe("tiny-cpu"), [
+        "engine.kind=sglang", "engine.urls=http://h1:30000,http://h2:30000", "engine.colocated=true",
+        "sandbox.address=tcp://host:5555", "learner.tp=2", "learner.pp=1", "rollout.max_turns=10",
+        "trainer.loss.clip_high=0.3", "trainer.sample_prompts=null", "rollout.prompt.mode=chat"])
+    assert cfg.engine.kind == "sglang" and cfg.engine.urls == ("http://h1:30000", "http://h2:30000")
+    assert cfg.engine.colocated is True and cfg.sandbox.address == "tcp://host:5555" and cfg.learner.tp == 2
+    assert cfg.rollout.max_turns == 10 and cfg.trainer.loss.clip_high == 0.3
+    assert load_recipe("tiny-cpu").rollout.max_turns == 2  # the recipe is not changed
+
+
+@pytest.mark.parametrize("item,message", [
+    ("trainer.foo=1", "unknown key 'trainer.foo'"),
+    ("nope.x=1", "unknown key 'nope.x'"),
+    ("trainer.steps=abc", "trainer.steps: 'abc' is not an int"),
+    ("trainer.steps=0", "trainer.steps=0: steps must be >= 1"),
+    ("trainer.mode=fancy", "trainer.mode=fancy: mode must be one of"),
+    ("trainer=3", "trainer is a section"),
+    ("trainer.loss.clip_low=2", "trainer.loss.clip_low=2: clip_low must be in (0, 1)"),
+    ("engine.colocated=maybe", "engine.colocated: 'maybe' is not a bool"),
+    ("rollout.prompt.mode=x", "rollout.prompt.mode: 'x' is not one of plain, chat"),
+    ("engine.kind=sglang", "engine.kind=sglang: engine kind 'sglang' needs urls"),
+    ("steps", "override 'steps' is not key=value"),
+    ("learner.model=x", "learner.model follows the top-level model; set model=x instead"),
+])
+def test_bad_overrides_are_one_line_errors_naming_the_key(item, message):
+    with pytest.raises(ValueError) as info:
+        apply_overrides(load_recipe("tiny-cpu"), [item])
+    text = str(info.value)
+    assert message in text and "\n" not in text
+
+
+def test_unknown_recipe():
+    with pytest.raises(ValueError, match="unknown recipe 'big'.*tiny-cpu"):
+        load_recipe("big")
+
+
+@pytest.mark.parametrize("mode,void_turn", [("naive", "continue"), ("low_prob_filter", "continue"),
+                                            ("high_ratio_filter", "continue"), ("stop_without_filter", "stop"),
+                                            ("simpletir", "stop")])
+def test_mode_decides_the_void_turn_behaviour(mode, void_turn):
+    cfg = apply_overrides(load_recipe("tiny-cpu"), [f"trainer.mode={mode}", "rollout.tools=false"])
+    assert cfg.rollout.void_turn == void_turn and cfg.rollout.tools is False

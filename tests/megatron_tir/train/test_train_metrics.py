@@ -1,0 +1,60 @@
+"""Rollout metrics of crafted groups, the metrics sink (JSONL + TensorBoard), plot, the turn schedule."""
+
+from __future__ import annotations
+
+
+import pytest
+from crafted_rollouts import C, F, V, group
+
+from megatron_tir.rollout.trajectory import Turn
+from megatron_tir.tir.markup import TurnKind
+from megatron_tir.rollout.engines.base import FinishReason
+from megatron_tir.train.config import TrainerConfig
+from megatron_tir.train.metrics import MetricsSink, plot_run, read_metrics, rollout_metrics
+from megatron_tir.train.schedule import plateaued, schedule_due
+
+
+def test_rollout_metrics_of_crafted_groups():
+    g = group(0, (C, 1.0, (-1.0, -3.0)), (V, 0.0, (-2.0,)), (C, 0.0), (F, 0.0))
+    t0 = g.trajectories[0]
+    t0.turns = [Turn(index=0, kind=TurnKind.ANSWER, reason="", finish_reason=FinishReason.EOS, start=0, model_tokens=1),
+                Turn(index=1, kind=TurnKind.ANSWER, reason="", finish_reason=FinishReason.EOS, start=1, model_tokens=1)]
+    g.trajectories[1].turns = [Turn(index=0, kind=TurnKind.VOID, reason="", finish_reason=FinishReason.EOS, start=0,
+                                    model_tokens=1)]
+    m = rollout_metrics([g])
+    assert m["rollout/reward"] == 0.25 and m["rollout/void_trajectory_ratio"] == 0.25
+    assert m["rollout/void_turn_share"] == pytest.approx(1 / 3)  # 1 void turn of 3 turns
+    assert m["rollout/logprob_turn_0"] == pytest.approx((-1.0 - 2.0) / 2)  # turn 0 of rows 0 and 1
+    assert m["rollout/logprob_turn_1"] == pytest.approx(-3.0)
+    assert m["rollout/status_tool_failed"] == 1.0
+
+
+def test_sink_writes_jsonl_tensorboard_and_truncates_on_resume(tmp_path):
+    sink = MetricsSink(tmp_path)
+    sink.log(1, {"train/loss": 0.5, "rollout/reward": 0.25, "x": float("nan")})
+    offset = sink.offset
+    sink.log(2, {"train/loss": 0.4, "rollout/reward": 0.5})
+    sink.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert read_metrics(tmp_path)[0]["x"] is None
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    MetricsSink(tmp_path, truncate_to=offset).close()  # a resume from the step-1 checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    written = plot_run(tmp_path)
+    assert {p.name for p in written} >= {"reward.png", "train.png"}
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_plot_of_a_non_run_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="metrics.jsonl"):
+        plot_run(tmp_path)
+
+
+def test_plateau_and_schedule():
+    assert not plateaued([100, 200, 300], window=2, tolerance=0.05)
+    assert plateaued([100, 200, 300, 302, 299, 301], window=2, tolerance=0.05)
+    assert not plateaued([100, 200, 300, 350], window=2, tolerance=0.05)
+    cfg = TrainerConfig(schedule_at_step=5)
+    assert not schedule_due(4, cfg, []) and schedule_due(5, cfg, [])
+    cfg = TrainerConfig(schedule_on_plateau=True, plateau_window=2, plateau_tolerance=0.05)
+    assert schedule_due(7, cfg, [100, 200, 300, 302, 299, 301]) and not schedule_due(7, cfg, [1, 2, 3, 4])
