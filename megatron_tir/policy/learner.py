@@ -43,9 +43,6 @@ from megatron_tir.policy.weights import hf_buckets, load_hf_weights
 
 log = logging.getLogger(__name__)
 
-_FP8_FORMATS = {"e4m3": "e4m3", "hybrid": "hybrid"}
-
-
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class _Source:
     spec: ModelSpec
@@ -109,7 +106,7 @@ class Learner:
         if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
             overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         if config.fp8 is not None:
-            overrides.update(fp8=_FP8_FORMATS[config.fp8], fp8_recipe="delayed")
+            overrides.update(fp8=config.fp8, fp8_recipe="delayed")  # megatron-core's format names
         model = build_gpt_model(self.spec, use_te=True if config.fp8 else None, **overrides)
         if source.checkpoint is not None:
             from megatron_tir.policy.checkpoint.megatron_io import load_model
