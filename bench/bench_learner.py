@@ -1,7 +1,7 @@
 """The policy learner on CPU: train throughput, micro-batch padding, weight sync, peak memory.
 
     python bench/bench_learner.py [--model smollm2] [--rows 4] [--tokens 128] [--reps 3] [--threads 2]
-                                  [--parts throughput,padding,sync,memory]
+                                  [--max-tokens 4096] [--parts throughput,padding,sync,memory]
 
 * throughput: tokens/s of one forward+backward of a token-mean -log p loss over the same
   batch, through ``Learner.train_step`` (its ``forward_backward`` timing: megatron-core
@@ -13,8 +13,9 @@
 * sync: bytes/s of ``Learner.sync_weights`` into a ``LocalEngine`` (export + the engine's
   checked ``update_weights``) vs a plain ``copy_`` of the same tensors into the engine's
   parameters. Median of ``--reps``; ratio = sync / copy (target >= 0.5).
-* memory: peak RSS of a fresh process that builds the learner (TP=1) and takes one
-  train step on the throughput batch (it decides the CPU recipe).
+* memory: peak RSS of a fresh process that builds the learner (TP=1, ``--max-tokens`` per
+  micro-batch) and takes one train step on a ``--rows`` x ``--tokens`` batch (it decides
+  the CPU recipe's token budget).
 
 Prints one JSON line per part. Timings on a shared machine are noisy: compare the ratio,
 whose two sides run back to back in the same process.
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import resource
 import statistics
 import subprocess
@@ -135,19 +137,22 @@ def sync(model: str, reps: int) -> dict:
             "copy_bytes_per_s": round(nbytes / plain_s), "ratio": round(plain_s / ours_s, 3)}
 
 
-def memory_child(model: str, rows: int, tokens: int) -> dict:
-    learner = _learner(model, max_tokens_per_microbatch=rows * tokens)
+def memory_child(model: str, rows: int, tokens: int, max_tokens: int) -> dict:
+    learner = _learner(model, max_tokens_per_microbatch=max_tokens)
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     learner.train_step(_batch(learner.spec.vocab_size, rows, tokens), _nll)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"part": "memory", "model": model, "batch": f"{rows}x{tokens}", "peak_rss_after_build_mb": round(built_mb),
+    return {"part": "memory", "model": model, "batch": f"{rows}x{tokens}",
+            "max_tokens_per_microbatch": learner.config.max_tokens_per_microbatch,
+            "peak_rss_after_build_mb": round(built_mb),
             "peak_rss_train_step_mb": round(peak_mb)}
 
 
-def memory(model: str, rows: int, tokens: int) -> dict:
+def memory(model: str, rows: int, tokens: int, max_tokens: int) -> dict:
     """``memory_child`` in a fresh interpreter, so nothing else counts in its peak."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run([sys.executable, __file__, "--model", model, "--rows", str(rows), "--tokens", str(tokens),
-                          "--parts", "memory-child"], capture_output=True, text=True, check=True)
+                          "--max-tokens", str(max_tokens), "--parts", "memory-child"], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=4096, help="memory: token budget per micro-batch")
     parser.add_argument("--parts", default="throughput,padding,sync,memory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -171,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "sync":
             result = sync(args.model, args.reps)
         elif part == "memory":
-            result = memory(args.model, args.rows, args.tokens)
+            result = memory(args.model, args.rows, args.tokens, args.max_tokens)
         elif part == "memory-child":
-            result = memory_child(args.model, args.rows, args.tokens)
+            result = memory_child(args.model, args.rows, args.tokens, args.max_tokens)
         else:
             parser.error(f"unknown part {part!r}")
         sys.stdout.write(json.dumps(result) + "\n")

@@ -28,14 +28,19 @@ def te_available() -> bool:
 
 
 def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
-    """The transformer layer spec: Transformer Engine on a GPU with TE, megatron-core local otherwise."""
+    """The transformer layer spec: Transformer Engine on a GPU with TE; megatron-core's local spec
+    otherwise, with its core attention computed by fused SDPA (``attention``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = te_available()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megatron_tir.policy.attention import SdpaDotProductAttention
+
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    local.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    return local
 
 
 def build_gpt_model(spec: ModelSpec, *, pre_process: bool | None = None, post_process: bool | None = None,

@@ -290,6 +290,3 @@ def apply(force: bool = False) -> bool:
     log.debug("megatron-core CPU redirections applied: %d patches", len(PATCHES))
     return True
 
-
-def is_applied() -> bool:
-    return _applied

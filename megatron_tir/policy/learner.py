@@ -221,9 +221,10 @@ class Learner:
             def loss_func(logits_bLV):
                 target_bL = torch.roll(tokens_bL, -1, dims=1)
                 mask_bL = mb.mask().to(device)
-                out = {"logprobs": _shift_left(token_logprobs(logits_bLV, target_bL, temperature)) * mask_bL}
+                out = {}
                 if with_entropy:
                     out["entropy"] = _shift_left(token_entropy(logits_bLV, temperature)) * mask_bL
+                out["logprobs"] = _shift_left(token_logprobs(logits_bLV, target_bL, temperature)) * mask_bL
                 return torch.zeros((), device=device), {k: v.float().cpu() for k, v in out.items()}
             return loss_func
 
@@ -275,8 +276,8 @@ class Learner:
 
             def loss_func(logits_bLV):
                 target_bL = torch.roll(tokens_bL, -1, dims=1)
-                logp_bL = _shift_left(token_logprobs(logits_bLV, target_bL, temperature))
                 entropy_bL = _shift_left(token_entropy(logits_bLV, temperature)) if with_entropy else None
+                logp_bL = _shift_left(token_logprobs(logits_bLV, target_bL, temperature))  # may reuse the logits
                 loss_bL, metrics = loss_fn(logp_bL, entropy_bL, extras)
                 if tuple(loss_bL.shape) != tuple(logp_bL.shape):
                     raise ValueError(f"loss_fn returned a loss of shape {tuple(loss_bL.shape)}; "
@@ -331,8 +332,8 @@ class Learner:
         """True when every gradient of every rank is finite (one flag all-reduced over the world)."""
         device = next(self._model.parameters()).device
         bad = torch.zeros((), dtype=torch.float32, device=device)
-        for buffer in self._model.buffers:
-            if not torch.isfinite(buffer.grad_data).all():
+        for buffer in self._model.buffers:  # a sum is non-finite iff an element is (or it overflows)
+            if not torch.isfinite(buffer.grad_data.sum()):
                 bad.fill_(1.0)
                 break
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)

@@ -13,10 +13,15 @@ import torch
 
 
 def token_logprobs(logits_SBV: torch.Tensor, target_SB: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log softmax(logits / temperature)[target]`` as ``[S, B]`` float32."""
+    """``log softmax(logits / temperature)[target]`` as ``[S, B]`` float32.
+
+    megatron-core's cross-entropy works in place on its input: at temperature 1 on float32
+    logits that input is ``logits_SBV`` itself (as in megatron-core's own language-model loss;
+    the output layer's backward does not need its output), so compute anything else from the
+    logits first."""
     from megatron.core import tensor_parallel
 
-    scaled_SBV = logits_SBV.float() / temperature  # a new tensor: the loss works in place on its input
+    scaled_SBV = logits_SBV.float() if temperature == 1.0 else logits_SBV.float() / temperature
     return -tensor_parallel.vocab_parallel_cross_entropy(scaled_SBV, target_SB)
 
 

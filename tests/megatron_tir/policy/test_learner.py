@@ -83,11 +83,11 @@ def test_logprobs_equal_the_local_engines_sampled_logprobs(tiny_learner, tempera
         assert (ratio - 1).abs().max() <= 1e-4, (b, ratio)
 
 
-def _grads_and_step(learner, batch, aggregation, loss_fn=ppo_loss):
+def _grads_and_step(learner, batch, aggregation, loss_fn=ppo_loss, temperature=1.0):
     """One step's result and its gradients (DDP's main grads); the weights are put back."""
     params = dict(learner._model.module.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    result = learner.train_step(batch, loss_fn, aggregation=aggregation, with_entropy=True)
+    result = learner.train_step(batch, loss_fn, aggregation=aggregation, with_entropy=True, temperature=temperature)
     grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
     for n, p in params.items():
         p.data.copy_(before[n])
@@ -187,3 +187,28 @@ def test_bad_config_and_input_are_one_line_errors(tiny_learner):
     with pytest.raises(ValueError, match="extras"):
         TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
                    loss_mask_BT=batch.loss_mask_BT, extras={"x": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grad_norm_equals_transformers(tiny_learner, temperature):
+    """Loss -logp - 0.1 * entropy (token mean): the learner's grad norm equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tir.model_sources import resolve_model
+
+    batch = make_batch(8)
+    result, _ = _grads_and_step(tiny_learner, batch, "token_mean", lambda lp, ent, extras: (-lp - 0.1 * ent, {}),
+                                temperature=temperature)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32)
+    m = batch.loss_mask_BT
+    total = 0.0
+    for b in range(batch.tokens_BT.shape[0]):
+        idx = batch.attention_mask_BT[b].nonzero().flatten()
+        s, e = int(idx[0]), int(idx[-1]) + 1
+        logp = torch.log_softmax(hf(batch.tokens_BT[b:b + 1, s:e]).logits[0] / temperature, dim=-1)
+        lp = logp[:-1].gather(1, batch.tokens_BT[b, s + 1:e, None])[:, 0]
+        ent = -(logp.exp() * logp).sum(-1)[:-1]
+        total = total + ((-lp - 0.1 * ent) * m[b, s + 1:e]).sum()
+    (total / m.sum()).backward()
+    ref = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
+    assert result.grad_norm == pytest.approx(ref, rel=1e-4)
