@@ -1,9 +1,10 @@
 """Math problems from verl-schema parquet files.
 
-Schema (as in ``../shared/data``): ``prompt`` is a list of ``{role, content}`` messages,
-``reward_model`` a struct with ``ground_truth``; ``data_source`` is optional. Datasets are
-named (``aime24``, ``aime25``, ``math500``, ``math_train``) or given as a file path. The
-named ones live in ``$MEGATRON_TIR_DATA``, else ``<repo>/../shared/data``.
+Schema: ``prompt`` is a list of ``{role, content}`` messages, ``reward_model`` a struct
+with ``ground_truth``; ``data_source`` is optional. Datasets are named (``aime24``,
+``aime25``, ``math500``, ``math_train``) or given as a file path. The named ones ship with
+the package (the parquet files beside this module, ~4 MB); ``$MEGATRON_TIR_DATA`` names
+another folder holding files of the same names.
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def data_dir() -> Path:
     env = os.environ.get("MEGATRON_TIR_DATA")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data"
+    return Path(__file__).resolve().parent
 
 
 def resolve_dataset(name_or_path: str | os.PathLike) -> Path:

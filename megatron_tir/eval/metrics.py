@@ -131,11 +131,6 @@ class EvalMetrics:
     tir: dict[str, float]  # trajectory_metrics(): name -> value
     status_counts: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
-        return {"k": self.k, "problems": self.problems, "trajectories": self.trajectories,
-                "avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, **self.tir,
-                "status_counts": dict(self.status_counts)}
-
     def lines(self) -> list[str]:
         """Human-readable lines; metric names as in the module docstring."""
         pct = lambda x: "n/a" if math.isnan(x) else f"{100 * x:.1f}%"  # noqa: E731

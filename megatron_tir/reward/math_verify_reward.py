@@ -3,7 +3,9 @@
 The check is math-verify (LaTeX/expression parsing into SymPy, then equivalence), run in
 a small pool of worker processes so that a pathological expression (``(10^{9})!`` makes
 SymPy compute a factorial of a billion) cannot hang a run: each check has a wall-clock
-limit, and a worker that passes it is killed and replaced; the answer scores 0.
+limit, and a worker that passes it is killed and replaced; the answer scores 0. A new
+worker imports math-verify before it reports ready, and that wait (``start_timeout_s``)
+is not part of any check's limit, so a loaded machine does not score a right answer 0.
 math-verify's own timeouts use ``signal.alarm``, which works only in a main thread and
 cannot stop a C-level loop, so they are switched off in favour of the kill.
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 class RewardConfig:
     timeout_s: float = 10.0  # wall-clock limit of one check (parse + verify)
     workers: int = 2
+    start_timeout_s: float = 300.0  # a new worker's imports (not counted in timeout_s)
     float_rounding: int = 6
 
     def __post_init__(self) -> None:
@@ -34,6 +37,8 @@ class RewardConfig:
             raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
         if self.workers < 1:
             raise ValueError(f"reward workers must be >= 1, got {self.workers}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"reward start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
 def _boxed(expr: str) -> str:
@@ -58,6 +63,9 @@ def _worker_main(conn) -> None:  # pragma: no cover - runs in a child process
     import logging as _logging
 
     _logging.disable(_logging.WARNING)  # math-verify warns that its timeouts are off
+    import math_verify  # noqa: F401 - imported before "ready", so no check pays for it
+
+    conn.send(("ready", None))
     while True:
         try:
             msg = conn.recv()
@@ -79,6 +87,13 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="math-verify")
         self.proc.start()
         child.close()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait for the worker's imports; False if it did not report ready in time."""
+        try:
+            return self.conn.poll(timeout_s) and self.conn.recv()[0] == "ready"
+        except (EOFError, OSError):
+            return False
 
     def kill(self) -> None:
         self.proc.kill()
@@ -132,6 +147,10 @@ class MathVerifier:
             w = _Worker(self._ctx)
             with self._lock:
                 self._all.add(w)
+            if not w.wait_ready(self.config.start_timeout_s):
+                self._discard(w)
+                self._slots.release()
+                raise RuntimeError(f"a math-verify worker did not start within {self.config.start_timeout_s:g} s") from None
             return w
 
     def _release(self, w: _Worker | None) -> None:
@@ -154,7 +173,6 @@ class MathVerifier:
         w = self._acquire()
         try:
             w.conn.send((answer, ground_truth, self.config.float_rounding))
-            # The first check of a fresh worker also pays its imports (~1-2 s).
             if not w.conn.poll(self.config.timeout_s):
                 log.warning("math-verify check timed out after %.1f s (answer %.80r); worker killed",
                             self.config.timeout_s, answer)

@@ -157,10 +157,6 @@ class Trajectory:
         return len(self.loss_mask) - sum(self.loss_mask)
 
     @property
-    def code_turns(self) -> list[Turn]:
-        return [t for t in self.turns if t.kind is TurnKind.CODE]
-
-    @property
     def correct(self) -> bool:
         return self.reward is not None and self.reward > 0
 
@@ -174,6 +170,7 @@ class Trajectory:
             "ground_truth": self.ground_truth,
             "status": None if self.status is None else self.status.value,
             "void": self.void,
+            "has_void_turn": self.has_void_turn,
             "void_reason": self.void_reason,
             "final_answer": self.final_answer,
             "answer_source": self.answer_source,

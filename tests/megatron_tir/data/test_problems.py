@@ -84,3 +84,21 @@ def test_bad_limit():
 
 def test_names_are_documented():
     assert set(NAMED_DATASETS) == {"aime24", "aime25", "math500", "math_train"}
+
+
+def test_named_datasets_ship_with_the_package(monkeypatch):
+    # A lone clone (no ../shared beside it) and an installed wheel both find them.
+    import fnmatch
+    from pathlib import Path
+
+    from setuptools.config.setupcfg import read_configuration
+
+    import megatron_tir.data as data_pkg
+
+    monkeypatch.delenv("MEGATRON_TIR_DATA", raising=False)
+    package_dir = Path(data_pkg.__file__).parent
+    for name, filename in NAMED_DATASETS.items():
+        assert resolve_dataset(name) == package_dir / filename
+    setup_cfg = Path(__file__).resolve().parents[3] / "setup.cfg"
+    patterns = read_configuration(setup_cfg)["options"]["package_data"]["megatron_tir.data"]
+    assert all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in NAMED_DATASETS.values())

@@ -68,3 +68,11 @@ def test_config_validation():
         RewardConfig(timeout_s=0)
     with pytest.raises(ValueError, match="workers"):
         RewardConfig(workers=0)
+
+
+def test_a_new_workers_imports_do_not_count_against_the_check_limit():
+    # importing math-verify and SymPy takes longer than this limit on a loaded machine;
+    # the worker reports ready after its imports and only then is the check timed
+    with MathVerifier(RewardConfig(timeout_s=3.0, workers=1)) as v:
+        verdict = v.check("204", "204")
+        assert verdict.correct and not verdict.timed_out, verdict

@@ -12,7 +12,6 @@ from megatron_tir.data import Problem
 from megatron_tir.reward import MathVerifier
 from megatron_tir.rollout import ClusterSandbox, FinishStatus, RolloutConfig, TIRRollout, collate
 from megatron_tir.tir import FEEDBACK_HEADER, FeedbackConfig, PromptConfig, TurnKind
-from megatron_tir.tir.markup import STOPS_ANY_FENCE
 
 from scripted_engine import ScriptedEngine
 
@@ -224,4 +223,4 @@ def test_simpletir_text_only_prompt_is_the_bare_problem(smollm2_tokenizer, sandb
 
 def test_default_stop_strings_are_used_with_tools(smollm2_tokenizer, sandbox):
     engine, _, _ = run(smollm2_tokenizer, sandbox, lambda ctx: "\\boxed{42}")
-    assert engine.calls[0]["stop"] == STOPS_ANY_FENCE
+    assert engine.calls[0]["stop"] == ("```",)
