@@ -118,7 +118,7 @@ class GenerationEngine(Protocol):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (HF parameter names) for the next requests."""
         ...
 

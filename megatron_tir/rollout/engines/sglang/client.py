@@ -211,7 +211,7 @@ class SGLangEngine:
                                          timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
                 ok = r.status == 200
                 why = f"/health answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok, why = False, f"/health failed: {exc!r}"
         if self.paused:  # the probe waited on a pause that began meanwhile: it says nothing
             return ok
@@ -250,7 +250,7 @@ class SGLangEngine:
                 failures.append(f"{server.url}: connect failed ({exc!r})")
                 await asyncio.sleep(self.config.retry_backoff_s * attempt)
                 continue
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # sent, then lost: not retried
+            except (TimeoutError, aiohttp.ClientError) as exc:  # sent, then lost: not retried
                 self.pool.mark_down(server, f"/generate failed after sending: {exc!r}")
                 return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.ABORT,
                                   prompt_tokens=len(prompt),
@@ -279,7 +279,7 @@ class SGLangEngine:
         async def abort() -> None:
             try:
                 await self._post(url, "/abort_request", {"rid": rid}, self.config.health_timeout_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 log.debug("abort of %s on %s failed: %r", rid, url, exc)
 
         if self._session is not None and not self._session.closed:
@@ -321,7 +321,7 @@ class SGLangEngine:
             body = payload_for(i) if payload_for is not None else payload
             try:
                 status, answer = await self._post(server.url, path, body, self.config.control_timeout_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise SGLangError(f"{server.url}{path}: {exc!r}") from exc
             success = answer.get("success", True) if isinstance(answer, dict) else True
             if status != 200 or success is False:
@@ -349,7 +349,7 @@ class SGLangEngine:
             try:
                 async with self._session.get(f"{server.url}/server_info", timeout=timeout) as response:
                     status, text = response.status, await response.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise SGLangError(f"{server.url}/server_info: {exc!r}") from exc
             try:
                 info = json.loads(text)
@@ -420,7 +420,7 @@ class SGLangEngine:
             while True:
                 try:
                     status, answer = await self._post(server.url, "/flush_cache", None, self.config.control_timeout_s)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     raise SGLangError(f"{server.url}/flush_cache: {exc!r}") from exc
                 if status == 200:
                     return
