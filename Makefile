@@ -1,4 +1,4 @@
-# The two README commands: `make run` (main job on the embedded default) and `make test`.
+# The two README commands: `make run` (a short smollm2-cpu training run) and `make test`.
 # Both install what they need into .venv on a fresh machine.
 PY ?= python3
 VENV := .venv
@@ -24,7 +24,9 @@ $(STAMP): setup.cfg Makefile pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/megatron-tir eval --model smollm2 --data aime24 --limit 2 --k 2 --max-turns 3 --out runs/eval-aime24-smollm2.jsonl
+	rm -rf runs/smollm2-cpu-short  # a fresh run each time (the run dir of a longer run is never touched)
+	$(BIN)/megatron-tir train --recipe smollm2-cpu --set trainer.steps=3 --set data.eval_size=8 --out runs/smollm2-cpu-short
+	$(BIN)/megatron-tir plot runs/smollm2-cpu-short
 
 test: install
 	$(BIN)/python -m pytest
