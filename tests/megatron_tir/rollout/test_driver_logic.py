@@ -12,7 +12,6 @@ import time
 import pytest
 
 from megatron_tir.data import Problem
-from megatron_tir.reward import MathVerifier
 from megatron_tir.rollout import ClusterSandbox, FinishStatus, RolloutConfig, TIRRollout, collate
 from megatron_tir.tir import FEEDBACK_HEADER, PromptConfig, TurnKind
 
@@ -32,19 +31,6 @@ def per_turn(*turns):
 
 PROBLEM = Problem(index=3, messages=({"role": "user", "content": "What is 6 times 7?"},), ground_truth="42",
                   data_source="unit")
-
-
-@pytest.fixture(scope="module")
-def verifier():
-    with MathVerifier() as v:
-        yield v
-
-
-@pytest.fixture
-def sandbox(sandbox_cluster):
-    sb = ClusterSandbox.connect(sandbox_cluster.address)
-    yield sb
-    sb.close()
 
 
 def rollout(tok, sandbox, script, verifier=None, problems=(PROBLEM,), seconds_per_token=0.0, engine_kw=None, **cfg):

@@ -9,27 +9,13 @@ import asyncio
 import pytest
 
 from megatron_tir.data import Problem
-from megatron_tir.reward import MathVerifier
-from megatron_tir.rollout import ClusterSandbox, FinishStatus, RolloutConfig, TIRRollout, collate
+from megatron_tir.rollout import FinishStatus, RolloutConfig, TIRRollout, collate
 from megatron_tir.tir import FEEDBACK_HEADER, FeedbackConfig, PromptConfig, TurnKind
 
 from scripted_engine import ScriptedEngine
 
 PROBLEM = Problem(index=0, messages=({"role": "user", "content": "What is 6 times 7?"},), ground_truth="42",
                   data_source="unit")
-
-
-@pytest.fixture(scope="module")
-def verifier():
-    with MathVerifier() as v:
-        yield v
-
-
-@pytest.fixture
-def sandbox(sandbox_cluster):
-    sb = ClusterSandbox.connect(sandbox_cluster.address)
-    yield sb
-    sb.close()
 
 
 def by_turn(marker, *turns):
