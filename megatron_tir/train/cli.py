@@ -80,7 +80,21 @@ def run_train_command(args: argparse.Namespace) -> int:
     state = run_training(cfg, run_dir, state, resume=args.resume is not None)
     if _rank() == 0:
         print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
+        for line in held_out_summary(run_dir / "metrics.jsonl"):
+            print(line)
     return 0
+
+
+def held_out_summary(metrics_path: Path) -> list[str]:
+    """One line per held-out evaluation in the run's metrics: step, reward, code use."""
+    lines = []
+    with open(metrics_path) as f:
+        for raw in f:
+            row = json.loads(raw)
+            if "eval/reward" in row:
+                lines.append(f"held-out at step {row['step']}: reward {row['eval/reward']:.3f}, "
+                             f"code_use_ratio {row.get('eval/code_use_ratio', float('nan')):.3f}")
+    return lines
 
 
 def add_plot_args(p: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import pytest
 from crafted_rollouts import C, F, V, group
@@ -58,3 +59,15 @@ def test_plateau_and_schedule():
     assert not schedule_due(4, cfg, []) and schedule_due(5, cfg, [])
     cfg = TrainerConfig(schedule_on_plateau=True, plateau_window=2, plateau_tolerance=0.05)
     assert schedule_due(7, cfg, [100, 200, 300, 302, 299, 301]) and not schedule_due(7, cfg, [1, 2, 3, 4])
+
+
+def test_held_out_summary_lists_each_evaluation(tmp_path):
+    from megatron_tir.train.cli import held_out_summary
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/reward": 0.25, "eval/code_use_ratio": 0.5},
+            {"step": 1, "rollout/reward": 0.5},
+            {"step": 2, "eval/reward": 0.75}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert held_out_summary(path) == ["held-out at step 0: reward 0.250, code_use_ratio 0.500",
+                                      "held-out at step 2: reward 0.750, code_use_ratio nan"]
