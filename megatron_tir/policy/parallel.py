@@ -44,14 +44,17 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
     cpu_compat.apply()
     if not torch.distributed.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend=backend,
-                                             timeout=datetime.timedelta(seconds=timeout_s))
+        if "RANK" in os.environ:
+            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # One process: a store on a port the kernel picks (no free-port race), and no
+            # RANK / MASTER_PORT left in os.environ for child processes to inherit.
+            store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+            torch.distributed.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                                 timeout=timeout)
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
