@@ -119,7 +119,8 @@ def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
 
 
 def _local(args, spec: RunSpec) -> int:
-    from megatron_tir.launch.local import free_port, local_script, run_local
+    from megatron_tir.launch.local import local_script, run_local
+    from megatron_tir.ports import free_port
 
     if args.dryrun:
         print(local_script(spec, sandbox_port=free_port()))

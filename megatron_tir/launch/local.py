@@ -16,20 +16,15 @@ import glob
 import logging
 import os
 import shlex
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_tir.launch.spec import RunSpec
+from megatron_tir.ports import free_port
 
 log = logging.getLogger(__name__)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_script(spec: RunSpec, *, sandbox_port: int, python: str = sys.executable) -> str:

@@ -14,20 +14,15 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import warnings
 
 import torch
 
 from megatron_tir.policy import cpu_compat
+from megatron_tir.ports import free_port
 
 log = logging.getLogger(__name__)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,

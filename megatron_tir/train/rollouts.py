@@ -47,7 +47,7 @@ class RolloutWorker:
             if engine_cfg.colocated:
                 self.weight_sync = ws.TensorWeightSync(self.engine)
             else:
-                from megatron_tir.policy.parallel import free_port
+                from megatron_tir.ports import free_port
 
                 self.weight_sync = ws.DistributedWeightSync(self.engine, ws.DistributedWeightSyncConfig(
                     master_address=socket.getfqdn(), master_port=free_port()))

@@ -3,7 +3,6 @@ and real runs end to end (real sandbox cluster, real math-verify; a tiny random 
 scripted engine that writes code and boxes answers)."""
 
 import json
-import socket
 
 import pandas as pd
 import pytest
@@ -14,6 +13,7 @@ from megatron_tir.eval.runner import EVAL_ROLLOUT_DEFAULTS, EvalConfig
 from megatron_tir.rollout import RolloutConfig
 
 from scripted_engine import ScriptedEngine
+from megatron_tir.ports import free_port as _free_port
 
 
 def run_cli(capsys, *argv):
@@ -110,11 +110,6 @@ def test_argparse_rejects_non_numbers():
 
 # ------------------------------------------------------------ infrastructure, not model
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_no_sglang_server_fails_before_the_run(capsys, two_problems, tmp_path):

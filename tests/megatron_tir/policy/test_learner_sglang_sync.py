@@ -22,7 +22,7 @@ FAKE_SERVER = Path(__file__).parents[1] / "rollout" / "engines" / "fake_sglang.p
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from megatron_tir.model_sources import resolve_model
-    from megatron_tir.policy.parallel import free_port
+    from megatron_tir.ports import free_port
     from megatron_tir.rollout.engines.sglang import SGLangServer, SGLangServerConfig
 
     config = SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 
 def test_sync_weights_through_distributed_weight_sync(parallel_1x1, server):
     from megatron_tir.policy.learner import Learner
-    from megatron_tir.policy.parallel import free_port
+    from megatron_tir.ports import free_port
     from megatron_tir.policy.weight_sync import DistributedWeightSync, DistributedWeightSyncConfig
     from megatron_tir.rollout.engines.base import SamplingParams
     from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig

@@ -12,12 +12,6 @@ from sglang_schema import api_types
 EOS = (0,)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def client(urls, **overrides) -> SGLangEngine:
     overrides.setdefault("health_check_interval_s", 0)
     overrides.setdefault("retry_backoff_s", 0)

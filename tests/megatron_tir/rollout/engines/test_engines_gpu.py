@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 
 import pytest
@@ -16,14 +15,10 @@ import torch
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
 
 from engine_testing import run
+from megatron_tir.ports import free_port as _free_port
 
 pytestmark = pytest.mark.gpu
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import pytest
 from engine_testing import run
 from fake_sglang import FakeSGLangServer, RadixCache, local_engine_handler, serve_in_thread, tcp_address
 from sglang_schema import api_types
-from sglang_testing import canned_response, client, free_port, scripted, unreachable_url
+from megatron_tir.ports import free_port
+from sglang_testing import canned_response, client, scripted, unreachable_url
 
 from megatron_tir.policy.weight_sync import (
     DistributedWeightSync,

@@ -8,7 +8,6 @@ with SGLang's own ``init_custom_process_group``.
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -30,14 +29,10 @@ from transformers import AutoModelForCausalLM
 
 from engine_testing import reference_logprobs, run
 from sglang_schema import server_cli_flags
+from megatron_tir.ports import free_port
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_argv_uses_only_flags_sglang_declares():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_testing import reference_logprobs, run
-from sglang_testing import free_port
+from megatron_tir.ports import free_port
 from transformers import AutoModelForCausalLM
 
 from megatron_tir.policy.weight_sync import (
