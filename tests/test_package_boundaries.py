@@ -73,3 +73,13 @@ def test_relative_imports_are_resolved(tmp_path):
     (pkg / "a.py").write_text("from .b import d\nimport os.path\n")
     assert _imports("pkg", pkg / "__init__.py") == {"pkg", "pkg.b"}
     assert _imports("pkg.a", pkg / "a.py") == {"pkg.b", "os.path"}
+
+
+def test_light_policy_modules_do_not_import_megatron_core():
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_tir.policy.keymap, megatron_tir.policy.spec, megatron_tir.launch.cli\n"
+            "print('megatron.core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -7,11 +7,27 @@ I/O, model save/load), ``weights`` (HF weights into and out of a live model), ``
 (``Learner``: log-probs, train steps, checkpoints, weight sync) with ``learner_config``,
 ``microbatch`` and ``vocab_parallel``.
 
-Import cost is small: megatron-core is imported only when a model is built.
+Importing this package or a light submodule does not import megatron-core; the learner
+and the model builder do.
 """
 
-from megatron_tir.policy.learner import Learner
-from megatron_tir.policy.learner_config import LearnerConfig, LossFn, StepResult, TrainBatch
-from megatron_tir.policy.spec import ModelSpec
+from importlib import import_module
 
-__all__ = ["Learner", "LearnerConfig", "LossFn", "ModelSpec", "StepResult", "TrainBatch"]
+# Resolved on first use (PEP 562), so that importing a light submodule (keymap, spec,
+# checkpoint) does not import the learner and with it megatron-core.
+_EXPORTS = {
+    "Learner": "megatron_tir.policy.learner",
+    "LearnerConfig": "megatron_tir.policy.learner_config",
+    "LossFn": "megatron_tir.policy.learner_config",
+    "StepResult": "megatron_tir.policy.learner_config",
+    "TrainBatch": "megatron_tir.policy.learner_config",
+    "ModelSpec": "megatron_tir.policy.spec",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)
