@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
@@ -145,7 +146,9 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
                     results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
                                                       temperature=temperature,
                                                       with_entropy=tc.loss.entropy_coef > 0))
-    max_ratio = torch.tensor(loss_fn.max_ratio)
+    max_ratio = loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
+    if max_ratio is None:
+        max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     out = {
         "filter/rows": float(rt.tokens_BT.shape[0]),
