@@ -64,6 +64,21 @@ def reinforce_pp_advantages_BT(rewards_B: torch.Tensor, mask_BT: torch.Tensor, s
     return (returns_BT - mean) / (std + eps) * counted_BT
 
 
+def reinforce_pp_baseline_advantages_BT(rewards_B: torch.Tensor, group_index_B: torch.Tensor, stats_B: torch.Tensor,
+                                        mask_BT: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline (OpenRLHF ``advantage_estimator=reinforce_baseline``, the variant
+    ZeroTIR's example script uses): subtract the group's mean reward (over its counted rows; no
+    division by the group std), broadcast the result to every model token of the row (gamma = 1),
+    then whiten over all model tokens of the counted rows of the batch. 0 outside ``mask_BT`` and
+    on rows outside the statistics."""
+    assert mask_BT.dim() == 2 and rewards_B.shape == group_index_B.shape == stats_B.shape == mask_BT.shape[:1]
+    centred_B = grpo_advantages_B(rewards_B, group_index_B, stats_B, std_normalize=False)
+    counted_BT = mask_BT.float() * stats_B.float()[:, None]
+    returns_BT = centred_B[:, None] * counted_BT
+    mean, std = _masked_std(returns_BT, counted_BT)
+    return (returns_BT - mean) / (std + eps) * counted_BT
+
+
 # (rewards_B, group_index_B, stats_B, mask_BT) -> advantages_BT
 AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,4 +107,5 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_BT,
     "dr_grpo": dr_grpo_BT,
     "reinforce_pp": reinforce_pp_BT,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages_BT,
 }

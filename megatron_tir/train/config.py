@@ -95,7 +95,7 @@ class FilterConfig:
 @dataclass(kw_only=True, slots=True)
 class PPOConfig:
     """Advantages and the update's passes over the batch."""
-    advantage: str = "grpo"  # a name in megatron_tir.rl.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | reinforce_pp
+    advantage: str = "grpo"  # a name in megatron_tir.rl.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | reinforce_pp | reinforce_pp_baseline
     epochs: int = 1  # passes over the batch per step
     mini_batches: int = 1  # optimizer steps per epoch
     old_logprobs: str = "learner"  # learner | engine
