@@ -134,7 +134,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             old_BT = rt.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
                                                                    temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage, std_normalize=tc.ppo.std_normalize,
+    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
