@@ -19,11 +19,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_tir.finite import check_finite
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
@@ -169,6 +171,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        check_finite(self)  # every float setting of every section (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
@@ -290,9 +293,12 @@ def _parse(text: str, tp, key: str):
             raise ValueError(f"{key}: {text!r} is not an int") from None
     if tp is float:
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
             raise ValueError(f"{key}: {text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {text}")
+        return value
     if tp is str:
         return text
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -376,7 +382,7 @@ def to_dict(cfg) -> dict:
     return out
 
 
-def from_dict(data: dict, cls: type = TrainConfig):
+def from_dict(data: dict, cls: type = TrainConfig, prefix: str = ""):
     """The inverse of :func:`to_dict` (a resolved ``config.json``); sections validate as they are built."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -386,8 +392,10 @@ def from_dict(data: dict, cls: type = TrainConfig):
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
+        if isinstance(value, float) and not math.isfinite(value):  # before the section's own checks
+            raise ValueError(f"{prefix}{name} must be a finite number, got {value}")
         if isinstance(value, dict):
-            kwargs[name] = from_dict(value, tp)
+            kwargs[name] = from_dict(value, tp, f"{prefix}{name}.")
         elif isinstance(value, list):
             kwargs[name] = tuple(value)
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
