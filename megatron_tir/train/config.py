@@ -28,6 +28,7 @@ from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
 ADVANTAGES = ("grpo", "reinforce_pp")
@@ -54,71 +55,105 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainerConfig:
-    steps: int = 10
-    mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
-    advantage: str = "grpo"  # grpo | reinforce_pp
-    std_normalize: bool = True  # GRPO: divide by the group std
+class SamplingConfig:
+    """What one step samples: the train batch in prompts, and dynamic sampling to fill it."""
     prompts_per_step: int = 8  # the train batch, in prompts (groups)
     sample_prompts: int | None = None  # prompts sampled per round (dynamic sampling); None: prompts_per_step
-    max_sample_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+    max_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "max_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sample_prompts is not None and self.sample_prompts < self.prompts_per_step:
+            raise ValueError(f"sample_prompts ({self.sample_prompts}) must be >= prompts_per_step "
+                             f"({self.prompts_per_step})")
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.sample_prompts or self.prompts_per_step
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterConfig:
+    """Which groups, rows and tokens the update keeps (the mode's filters are in ``trainer.mode``)."""
     drop_zero_std: bool = True  # group filter: groups whose rewards all agree carry no signal
     accuracy_lo: float = 0.0  # group filter: keep groups with accuracy in [lo, hi]
     accuracy_hi: float = 1.0
     overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep"
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
     high_ratio_bound: float = 5.0  # mode high_ratio_filter: tokens with ratio above it get no loss
-    ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
+            raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
+        if not 0 <= self.low_prob_fraction < 1:
+            raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
+        if not self.high_ratio_bound > 1:
+            raise ValueError(f"high_ratio_bound must be > 1, got {self.high_ratio_bound}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig:
+    """Advantages and the update's passes over the batch."""
+    advantage: str = "grpo"  # grpo | reinforce_pp
+    std_normalize: bool = True  # GRPO: divide by the group std
+    epochs: int = 1  # passes over the batch per step
     mini_batches: int = 1  # optimizer steps per epoch
     old_logprobs: str = "learner"  # learner | engine
-    loss: LossConfig = field(default_factory=LossConfig)
-    save_every: int = 0  # steps between run checkpoints (0: only at the end)
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
+        for name in ("epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When run checkpoints are written and how many are kept."""
+    every: int = 0  # steps between run checkpoints (0: only at the end)
     keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    steps: int = 10
+    mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
-    # Turn schedule: switch to the larger budget at a step, or when the mean response length plateaus.
-    schedule_at_step: int | None = None
-    schedule_on_plateau: bool = False
-    plateau_window: int = 10  # steps compared: the last window vs the one before
-    plateau_tolerance: float = 0.02  # relative change of the mean response length below which it plateaued
-    schedule_max_turns: int = 10
-    schedule_max_response_tokens: int = 24576
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
-        for name in ("steps", "prompts_per_step", "max_sample_rounds", "ppo_epochs", "mini_batches", "keep_last",
-                     "plateau_window", "schedule_max_turns", "schedule_max_response_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sample_prompts is not None and self.sample_prompts < self.prompts_per_step:
-            raise ValueError(f"sample_prompts ({self.sample_prompts}) must be >= prompts_per_step "
-                             f"({self.prompts_per_step})")
-        if self.mini_batches > self.prompts_per_step:
-            raise ValueError(f"mini_batches ({self.mini_batches}) must be <= prompts_per_step")
-        if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
-            raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
-        if not 0 <= self.low_prob_fraction < 1:
-            raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
-        if self.high_ratio_bound <= 1:
-            raise ValueError(f"high_ratio_bound must be > 1, got {self.high_ratio_bound}")
-        if self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("save_every and eval_every must be >= 0")
-        if self.schedule_at_step is not None and self.schedule_at_step < 1:
-            raise ValueError(f"schedule_at_step must be >= 1 or null, got {self.schedule_at_step}")
-        if self.plateau_tolerance < 0:
-            raise ValueError(f"plateau_tolerance must be >= 0, got {self.plateau_tolerance}")
-
-    @property
-    def prompts_per_round(self) -> int:
-        return self.sample_prompts or self.prompts_per_step
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.ppo.mini_batches > self.sampling.prompts_per_step:
+            raise ValueError(f"ppo.mini_batches ({self.ppo.mini_batches}) must be <= sampling.prompts_per_step "
+                             f"({self.sampling.prompts_per_step})")
+        if self.ppo.mini_batches > 1 and self.sampling.prompts_per_step % self.ppo.mini_batches:
+            raise ValueError(f"sampling.prompts_per_step ({self.sampling.prompts_per_step}) must be a multiple of "
+                             f"ppo.mini_batches ({self.ppo.mini_batches})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,9 +171,6 @@ class TrainConfig:
             raise ValueError("model must be set")
         self.learner.model = self.model
         self.engine.model = self.model
-        if self.trainer.mini_batches > 1 and self.trainer.prompts_per_step % self.trainer.mini_batches:
-            raise ValueError(f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
-                             f"trainer.mini_batches ({self.trainer.mini_batches})")
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
 
 
@@ -155,8 +187,9 @@ def tiny_cpu() -> TrainConfig:
         data=DataConfig(eval_size=2),
         # A random model earns no reward and every trajectory is void: void rows stay in the loss and a
         # small entropy bonus gives the update a gradient, so every stage of a step runs.
-        trainer=TrainerConfig(steps=2, mode="stop_without_filter", prompts_per_step=2, drop_zero_std=False,
-                              overlong="keep", save_every=1, progress=False,
+        trainer=TrainerConfig(steps=2, mode="stop_without_filter", sampling=SamplingConfig(prompts_per_step=2),
+                              filters=FilterConfig(drop_zero_std=False, overlong="keep"),
+                              checkpoint=CheckpointConfig(every=1), progress=False,
                               loss=LossConfig(entropy_coef=1e-3)),
     )
 
@@ -172,7 +205,9 @@ def smollm2_cpu() -> TrainConfig:
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
         data=DataConfig(eval_size=32, eval_samples=1),
-        trainer=TrainerConfig(steps=10, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=5, eval_every=5),
+        trainer=TrainerConfig(steps=10, sampling=SamplingConfig(prompts_per_step=8), ppo=PPOConfig(epochs=2),
+                              filters=FilterConfig(overlong="keep"), checkpoint=CheckpointConfig(every=5),
+                              eval_every=5),
     )
 
 
@@ -188,9 +223,12 @@ def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
         engine=EngineConfig(kind="sglang", urls=("http://localhost:30000",)),
         sandbox=SandboxConfig(workers=64),
         data=DataConfig(train="math_train", eval="aime24", eval_size=30, eval_samples=16),
-        trainer=TrainerConfig(steps=500, prompts_per_step=512, sample_prompts=1280, max_sample_rounds=3,
-                              ppo_epochs=4, mini_batches=1, save_every=20, keep_last=3, eval_every=20,
-                              schedule_on_plateau=True, schedule_max_turns=10, schedule_max_response_tokens=24576),
+        trainer=TrainerConfig(steps=500,
+                              sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1280, max_rounds=3),
+                              ppo=PPOConfig(epochs=4, mini_batches=1),
+                              checkpoint=CheckpointConfig(every=20, keep_last=3), eval_every=20,
+                              turn_schedule=TurnScheduleConfig(on_plateau=True, max_turns=10,
+                                                               max_response_tokens=24576)),
     )
 
 

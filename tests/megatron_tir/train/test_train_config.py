@@ -29,17 +29,17 @@ def test_paper_hyper_parameters_in_the_simpletir_recipes():
         assert (c.rollout.temperature, c.rollout.n_samples, c.rollout.max_turns, c.rollout.max_response_tokens) == (
             1.0, 16, 5, 16384)
         t = c.trainer
-        assert (t.sample_prompts, t.prompts_per_step, t.ppo_epochs, t.mode) == (1280, 512, 4, "simpletir")
+        assert (t.sampling.sample_prompts, t.sampling.prompts_per_step, t.ppo.epochs, t.mode) == (1280, 512, 4, "simpletir")
         assert (t.loss.clip_low, t.loss.clip_high, t.loss.dual_clip, t.loss.kl_coef, t.loss.entropy_coef) == (
             0.2, 0.28, 3.0, 0.0, 0.0)
-        assert (t.schedule_max_turns, t.schedule_max_response_tokens, t.schedule_on_plateau) == (10, 24576, True)
+        assert (t.turn_schedule.max_turns, t.turn_schedule.max_response_tokens, t.turn_schedule.on_plateau) == (10, 24576, True)
 
 
 def test_launcher_keys_in_any_order():
     cfg = apply_overrides(load_recipe("tiny-cpu"), [
         "engine.kind=sglang", "engine.urls=http://h1:30000,http://h2:30000", "engine.colocated=true",
         "sandbox.address=tcp://host:5555", "learner.tp=2", "learner.pp=1", "rollout.max_turns=10",
-        "trainer.loss.clip_high=0.3", "trainer.sample_prompts=null", "rollout.prompt.mode=chat"])
+        "trainer.loss.clip_high=0.3", "trainer.sampling.sample_prompts=null", "rollout.prompt.mode=chat"])
     assert cfg.engine.kind == "sglang" and cfg.engine.urls == ("http://h1:30000", "http://h2:30000")
     assert cfg.engine.colocated is True and cfg.sandbox.address == "tcp://host:5555" and cfg.learner.tp == 2
     assert cfg.rollout.max_turns == 10 and cfg.trainer.loss.clip_high == 0.3
