@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -31,6 +32,9 @@ class LogConfig:
             raise ValueError("loggers must include jsonl (resume, plots and the run summary read metrics.jsonl)")
         if len(set(self.loggers)) != len(self.loggers):
             raise ValueError(f"loggers lists one twice: {', '.join(self.loggers)}")
+        for name in ("wandb", "mlflow"):
+            if name in self.loggers and importlib.util.find_spec(name) is None:
+                raise ValueError(f"loggers names {name}, which is not installed (pip install 'megatron-tir[trackers]')")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
         if self.dump_every < 0 or self.text_samples < 0:

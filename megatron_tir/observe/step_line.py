@@ -3,7 +3,7 @@
     step 3/10 | reward 0.250 | held-out 0.312 | void 19% | resp tokens 212 mean, 256 max | rows 24/32 in loss
     | grad 0.84 | 41.2 s (rollout 30.1, logprobs 3.2, train 6.0, sync 0.4, eval 0.0, checkpoint 1.5)
 
-(one line; wrapped here). Fields missing from a step's metrics are left out (no held-out
+(one line; wrapped here; the seconds are the step's wall time, ``time/step``, when known). Fields missing from a step's metrics are left out (no held-out
 reward on a step without evaluation, no grad norm on a skipped update). Plain text: no
 colours or escape codes, so the line reads the same in a file.
 """
@@ -43,6 +43,6 @@ def format_step_line(step: int, total: int, metrics: dict) -> str:
     phases = [(p, _num(metrics, f"time/{p}")) for p in PHASES]
     phases = [(p, v) for p, v in phases if v is not None]
     if phases:
-        total_s = sum(v for _, v in phases)
+        total_s = _num(metrics, "time/step") or sum(v for _, v in phases)
         parts.append(f"{total_s:.1f} s (" + ", ".join(f"{p} {v:.1f}" for p, v in phases) + ")")
     return " | ".join(parts)

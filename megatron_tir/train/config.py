@@ -24,6 +24,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
@@ -137,6 +138,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
     progress: bool = True
