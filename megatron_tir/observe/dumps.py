@@ -73,7 +73,7 @@ def _void_reason(t: Trajectory) -> str:
     return f"void: {t.void_reason or 'a void turn'}"
 
 
-def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, advantage: str, std_normalize: bool,
+def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, advantage: str,
               overlong: str, low_prob_fraction: float, drop_zero_std: bool, accuracy_lo: float,
               accuracy_hi: float) -> dict[tuple[int, int], dict]:
     """``(group_id, sample_index) -> update record`` for every sampled trajectory (see the module docstring)."""
@@ -94,8 +94,8 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
     if not kept:
         return fates
     rt = to_tensors(kept, pad_id=0)
-    update = build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage=advantage, std_normalize=std_normalize,
-                          overlong=overlong, low_prob_fraction=low_prob_fraction)
+    update = build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage=advantage, overlong=overlong,
+                          low_prob_fraction=low_prob_fraction)
     drop_void = MODES[mode].drop_void
     trajs = [t for g in kept for t in g.trajectories]
     has_tokens = (rt.loss_mask_BT.sum(1) > 0).tolist()

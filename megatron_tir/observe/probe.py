@@ -27,7 +27,7 @@ class TurnProbe:
     def __init__(self, loss_fn, n_turns: int) -> None:
         self.loss_fn = loss_fn
         self.n_turns = n_turns
-        self.max_ratio = [0.0] * n_turns
+        self.max_ratio_K: torch.Tensor | None = None  # on the loss's device; never read per micro-batch (no sync)
 
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None, extras: dict[str, torch.Tensor]):
         loss_BT, metrics = self.loss_fn(logprobs_BT, entropy_BT, extras)
@@ -37,24 +37,32 @@ class TurnProbe:
             return loss_BT, metrics
         on_BT = extras["loss_mask_BT"] > 0
         ratio_BT = metrics["ratio"]
+        maxes = []
         for k in range(self.n_turns):
             in_k = turn_BT == k
             metrics[f"tokens_turn_{k}"] = in_k.float()
             metrics[f"ratio_turn_{k}"] = ratio_BT * in_k
             if entropy_BT is not None:
                 metrics[f"entropy_turn_{k}"] = entropy_BT.detach() * in_k
-            sel = in_k & on_BT
-            if sel.any():
-                self.max_ratio[k] = max(self.max_ratio[k], float(ratio_BT[sel].max()))
+            maxes.append(torch.where(in_k & on_BT, ratio_BT, torch.zeros_like(ratio_BT)).amax())
+        if maxes:
+            seen_K = torch.stack(maxes).float()
+            self.max_ratio_K = seen_K if self.max_ratio_K is None else torch.maximum(self.max_ratio_K, seen_K)
         return loss_BT, metrics
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
         """Replace the raw per-turn sums in ``means`` (the step's averaged train metrics, unprefixed) by
         per-turn means; add the per-turn max ratio (all-reduced). Collective when a process group is up."""
         out = {k: v for k, v in means.items() if not k.startswith(("tokens_turn_", "ratio_turn_", "entropy_turn_"))}
-        max_t = torch.tensor(self.max_ratio, dtype=torch.float64)
+        max_t = self.max_ratio_K
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from megatron_tir.policy.parallel import collective_device
+
+            if max_t is None:  # a rank without the last pipeline stage never ran the loss
+                max_t = torch.zeros(self.n_turns)
+            max_t = max_t.to(collective_device())
             torch.distributed.all_reduce(max_t, op=torch.distributed.ReduceOp.MAX)
+        max_t = torch.zeros(self.n_turns) if max_t is None else max_t.cpu()
         for k in range(self.n_turns):
             share = means.get(f"tokens_turn_{k}", 0.0)
             if share > 0:

@@ -47,7 +47,7 @@ class StepObserver:
             return
         tc = self.cfg.trainer
         fates = row_fates(collected.sampled, collected.groups, mode=tc.mode, advantage=tc.ppo.advantage,
-                          std_normalize=tc.ppo.std_normalize, overlong=tc.filters.overlong,
+                          overlong=tc.filters.overlong,
                           low_prob_fraction=tc.filters.low_prob_fraction, drop_zero_std=tc.filters.drop_zero_std,
                           accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi)
         self._records += step_records(step, "train", collected.sampled, self.tokenizer,

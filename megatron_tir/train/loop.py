@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
@@ -142,7 +143,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             old_BT = rt.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
                                                                    temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage, std_normalize=tc.ppo.std_normalize,
+    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
@@ -157,7 +158,9 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
                                                           temperature=temperature,
                                                           with_entropy=True))  # entropy: always a diagnostic
                         bar.update(1)
-    max_ratio = torch.tensor(loss_fn.loss_fn.max_ratio)
+    max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
+    if max_ratio is None:
+        max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     out = {
         "filter/rows": float(rt.tokens_BT.shape[0]),

@@ -39,7 +39,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
         if rank == 0:
-            worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, model_dir=resolve_model(cfg.model))
+            worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
+                                   model_dir=resolve_model(cfg.model))
         if resume:  # the engines start from the base weights: give them the policy's
             worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
         return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)

@@ -48,7 +48,7 @@ FILTERS = dict(drop_zero_std=True, accuracy_lo=0.0, accuracy_hi=1.0)
 
 def test_each_row_says_what_the_update_did_and_why_not():
     mixed, all_wrong, surplus = _groups()
-    fates = row_fates([mixed, all_wrong, surplus], [mixed], mode="simpletir", advantage="grpo", std_normalize=True,
+    fates = row_fates([mixed, all_wrong, surplus], [mixed], mode="simpletir", advantage="grpo",
                       overlong="mask", low_prob_fraction=0.0, **FILTERS)
     assert fates[(0, 0)]["in_loss"] and fates[(0, 0)]["dropped_by"] is None
     # group 0's counted rewards: 1, 0, 0 (the tool_failed row does not count): mean 1/3, std sqrt(1/3)
@@ -59,17 +59,17 @@ def test_each_row_says_what_the_update_did_and_why_not():
     assert fates[(0, 3)]["dropped_by"] == "infrastructure: tool_failed" and not fates[(0, 3)]["in_stats"]
     assert fates[(1, 0)]["dropped_by"] == "group filter: zero_std" and fates[(1, 0)]["advantage"] is None
     assert fates[(2, 1)]["dropped_by"] == "group filter: surplus"
-    keep = row_fates([mixed], [mixed], mode="stop_without_filter", advantage="grpo", std_normalize=True,
+    keep = row_fates([mixed], [mixed], mode="stop_without_filter", advantage="grpo",
                      overlong="keep", low_prob_fraction=0.0, **FILTERS)
     assert keep[(0, 1)]["in_loss"] and keep[(0, 2)]["in_loss"]  # void and over-long rows kept by this mode
-    narrow = row_fates([surplus], [], mode="simpletir", advantage="grpo", std_normalize=True, overlong="mask",
+    narrow = row_fates([surplus], [], mode="simpletir", advantage="grpo", overlong="mask",
                        low_prob_fraction=0.0, drop_zero_std=True, accuracy_lo=0.9, accuracy_hi=1.0)
     assert narrow[(2, 0)]["dropped_by"] == "group filter: accuracy"
 
 
 def test_dump_round_trip_through_show(tmp_path, capsys):
     mixed, all_wrong, surplus = _groups()
-    fates = row_fates([mixed, all_wrong], [mixed], mode="simpletir", advantage="grpo", std_normalize=True,
+    fates = row_fates([mixed, all_wrong], [mixed], mode="simpletir", advantage="grpo",
                       overlong="mask", low_prob_fraction=0.0, **FILTERS)
     records = step_records(3, "train", [mixed, all_wrong], CharTokenizer(), include_ids=True, fates=fates)
     records += step_records(3, "eval", [surplus], CharTokenizer(), include_ids=False)
@@ -93,7 +93,7 @@ def test_dump_round_trip_through_show(tmp_path, capsys):
 
 def test_masked_spans_render_differently():
     mixed, _, _ = _groups()
-    fates = row_fates([mixed], [mixed], mode="simpletir", advantage="grpo", std_normalize=True, overlong="mask",
+    fates = row_fates([mixed], [mixed], mode="simpletir", advantage="grpo", overlong="mask",
                       low_prob_fraction=0.0, **FILTERS)
     right, void = step_records(1, "train", [mixed], CharTokenizer(), include_ids=False, fates=fates)[:2]
     parsed = parse_rendering(render(right))
