@@ -44,6 +44,8 @@ class Shape:
 
 
 def load_shapes(path: Path, length_scale: float) -> list[Shape]:
+    if not path.is_file():
+        raise SystemExit(f"sim_async: no trajectory records at {path} (write them with megatron-tir eval --out)")
     shapes = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
