@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
@@ -110,7 +112,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
-            ckpts.save(learner, state)
+            ckpts.save({POLICY: learner}, state)
             pending_ckpt_s = time.perf_counter() - t0
     if sink is not None:
         sink.close()
@@ -137,14 +139,13 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
                           overlong=tc.overlong, low_prob_fraction=tc.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
+    token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=tc.loss.entropy_coef > 0)
     results = []
     with _timed(timings, "train"):
         if update.batch.tokens_BT.shape[0]:
             for _ in range(tc.ppo_epochs):
                 for mb in mini_batches(update, tc.mini_batches):
-                    results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                      temperature=temperature,
-                                                      with_entropy=tc.loss.entropy_coef > 0))
+                    results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
     max_ratio = torch.tensor(loss_fn.max_ratio)
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     out = {
