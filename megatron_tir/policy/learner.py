@@ -236,20 +236,20 @@ class Learner:
                 missing = [n for n in names if n not in out]
                 if missing:
                     raise ValueError(f"output_fn returned {sorted(out)}, not {missing}")
-                return torch.zeros((), device=device), {n: out[n].float().cpu() for n in names}
+                return torch.zeros((), device=device), {n: out[n].float() for n in names}  # read after the loop
             return loss_func
 
         self._model.eval()
         with torch.no_grad():
             results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True)
         contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-        outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32) for n in names}
+        outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device) for n in names}
         if contributes:
             for mb, res in zip(micro_batches, results):
                 if mb.weight:
                     for n in names:
                         mb.unpack(res[n], outs[n])
-        stacked = self._gather_rows(torch.stack([outs[n] for n in names]).to(device), contributes).cpu()
+        stacked = self._gather_rows(torch.stack([outs[n] for n in names]), contributes).cpu()  # one host read
         return dict(zip(names, stacked))
 
     def logprobs(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, temperature: float = 1.0,
