@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megatron_tir import config_io
+from megatron_tir.finite import check_finite
 from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.reward import RewardConfig
@@ -168,6 +169,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
