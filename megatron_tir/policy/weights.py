@@ -50,8 +50,9 @@ def _layer_offset(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
-    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage)."""
+def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ...] = ()) -> None:
+    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage);
+    parameters named in ``skip`` (a critic's value head) keep their own values."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     plans = {p.megatron: p for p in keymap.plan(spec)}
@@ -61,7 +62,7 @@ def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
     cached: tuple[str, torch.Tensor] | None = None
     try:
         for name, entry in model.sharded_state_dict(prefix=MODEL_PREFIX).items():
-            if isinstance(entry, ShardedObject):
+            if isinstance(entry, ShardedObject) or name.removeprefix(MODEL_PREFIX) in skip:
                 continue
             leaves = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
             parts = []
