@@ -226,7 +226,8 @@ def _cuda_type_names(fn):
 
         def type_(t, dtype=None, non_blocking=False, **kw):
             if dtype is None and not kw and t.device.type == "cpu":
-                return original_type(t).replace("torch.", "torch.cuda.", 1)
+                name = original_type(t)  # a torch function mode may already have renamed it
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
             return original_type(t, dtype, non_blocking, **kw)
 
         torch.Tensor.type = type_  # only for the duration of this call

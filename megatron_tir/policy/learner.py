@@ -222,7 +222,7 @@ class Learner:
                 if with_entropy:
                     out["entropy"] = _shift_left(token_entropy(logits_bLV, temperature)) * mask_bL
                 out["logprobs"] = _shift_left(token_logprobs(logits_bLV, target_bL, temperature)) * mask_bL
-                return torch.zeros((), device=device), {k: v.float().cpu() for k, v in out.items()}
+                return torch.zeros((), device=device), {k: v.float() for k, v in out.items()}  # read after the loop
             return loss_func
 
         self._model.eval()
@@ -230,13 +230,13 @@ class Learner:
             results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True)
         contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
         names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
-        outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32) for n in names}
+        outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device) for n in names}
         if contributes:
             for mb, res in zip(micro_batches, results):
                 if mb.weight:
                     for n in names:
                         mb.unpack(res[n], outs[n])
-        stacked = self._gather_rows(torch.stack([outs[n] for n in names]).to(device), contributes).cpu()
+        stacked = self._gather_rows(torch.stack([outs[n] for n in names]), contributes).cpu()  # one host read
         return (stacked[0], stacked[1]) if with_entropy else stacked[0]
 
     # ------------------------------------------------------------------ training

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_tir.rl.loss import AGGREGATIONS  # noqa: F401 - the Learner checks its aggregation against it
+
 DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("e4m3", "hybrid")
-AGGREGATIONS = ("token_mean", "seq_mean")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 # loss_fn(logprobs_BT, entropy_BT or None, extras of the micro-batch) -> (per-token loss_BT, per-token metrics)

@@ -13,14 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_tir.policy.learner_config import TrainBatch
-from megatron_tir.rl import (
-    MODES,
-    group_keep_G,
-    grpo_advantages_B,
-    low_prob_keep_BT,
-    reinforce_pp_advantages_BT,
-    row_weights,
-)
+from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rollout.batch import Group, collate
 from megatron_tir.rollout.trajectory import FinishStatus
 
@@ -81,17 +74,13 @@ class Update:
 
 
 def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str,
-                 std_normalize: bool, overlong: str, low_prob_fraction: float,
+                 overlong: str, low_prob_fraction: float,
                  ref_logprobs_BT: torch.Tensor | None = None) -> Update:
     spec = MODES[mode]
     stats_B, loss_B = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B,
                                   drop_void=spec.drop_void, overlong=overlong)
-    if advantage == "grpo":
-        adv_B = grpo_advantages_B(rt.rewards_B, rt.group_index_B, stats_B, std_normalize=std_normalize)
-        adv_BT = adv_B[:, None].expand_as(rt.loss_mask_BT).contiguous()
-    else:
-        adv_BT = reinforce_pp_advantages_BT(rt.rewards_B, rt.loss_mask_BT, stats_B)
-        adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)
+    adv_BT = ADVANTAGE_ESTIMATORS[advantage](rt.rewards_B, rt.group_index_B, stats_B, rt.loss_mask_BT)
+    adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)  # per row, for metrics
     mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
     low_prob_masked = 0
     if spec.low_prob_filter:

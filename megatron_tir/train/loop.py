@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
@@ -52,13 +53,13 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
     ``reference`` a frozen learner of the initial policy (KL term), else None."""
     tc, rank = cfg.trainer, torch.distributed.get_rank()
-    ckpts = RunCheckpoints(run_dir, keep_last=tc.keep_last)
+    ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
     sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None) if rank == 0 else None
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
     lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
-    rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc)
+    rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc.turn_schedule)
     if rank == 0 and state.step == 0 and held_out:
         sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg) | {"time/unix": time.time()})
     steps = range(state.step + 1, tc.steps + 1)
@@ -71,18 +72,18 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         metrics: dict[str, float] = {}
         # 1. rollouts on rank 0, dynamic sampling; the kept groups go to every rank.
-        if rank == 0 and state.schedule_switched_at is None and schedule_due(step, tc, lengths):
-            rollout_cfg, state.schedule_switched_at = switched(cfg.rollout, tc), step
+        if rank == 0 and state.schedule_switched_at is None and schedule_due(step, tc.turn_schedule, lengths):
+            rollout_cfg, state.schedule_switched_at = switched(cfg.rollout, tc.turn_schedule), step
             log.info("turn schedule: %d turns, %d tokens from step %d", rollout_cfg.max_turns,
                      rollout_cfg.max_response_tokens, step)
         rt = None
         with _timed(timings, "rollout"):
             if rank == 0:
-                one_round = functools.partial(_sample_round, worker, stream, tc.prompts_per_round, rollout_cfg,
+                one_round = functools.partial(_sample_round, worker, stream, tc.sampling.prompts_per_round, rollout_cfg,
                                               tc.progress)
-                got = worker.runner.run(collect_groups(one_round, want=tc.prompts_per_step,
-                                                       max_rounds=tc.max_sample_rounds, drop_zero_std=tc.drop_zero_std,
-                                                       accuracy_lo=tc.accuracy_lo, accuracy_hi=tc.accuracy_hi))
+                got = worker.runner.run(collect_groups(one_round, want=tc.sampling.prompts_per_step,
+                                                       max_rounds=tc.sampling.max_rounds, drop_zero_std=tc.filters.drop_zero_std,
+                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi))
                 metrics |= rollout_metrics(got.sampled)
                 metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
                 metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
@@ -108,7 +109,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
-        if step == tc.steps or (tc.save_every and step % tc.save_every == 0):
+        if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
@@ -129,25 +130,27 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
     """Old log-probs, advantages and masks, then PPO epochs over mini-batches; the train metrics."""
     tc = cfg.trainer
     with _timed(timings, "logprobs"):
-        if tc.old_logprobs == "learner":
+        if tc.ppo.old_logprobs == "learner":
             old_BT = learner.logprobs(rt.tokens_BT, rt.attention_mask_BT, temperature=temperature)
         else:
             old_BT = rt.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
                                                                    temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.advantage, std_normalize=tc.std_normalize,
-                          overlong=tc.overlong, low_prob_fraction=tc.low_prob_fraction, ref_logprobs_BT=ref_BT)
-    bound = tc.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
+    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
+                          overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
+    bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
     results = []
     with _timed(timings, "train"):
         if update.batch.tokens_BT.shape[0]:
-            for _ in range(tc.ppo_epochs):
-                for mb in mini_batches(update, tc.mini_batches):
+            for _ in range(tc.ppo.epochs):
+                for mb in mini_batches(update, tc.ppo.mini_batches):
                     results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
                                                       temperature=temperature,
                                                       with_entropy=tc.loss.entropy_coef > 0))
-    max_ratio = torch.tensor(loss_fn.max_ratio)
+    max_ratio = loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
+    if max_ratio is None:
+        max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     out = {
         "filter/rows": float(rt.tokens_BT.shape[0]),

@@ -89,8 +89,8 @@ def test_a_filter_that_empties_the_batch_refills_then_skips_the_update(tmp_path)
     """tiny-cpu's random policy earns no reward: every group has zero std, so dynamic sampling
     samples the configured extra rounds, then the step skips the update and the run goes on."""
     run = tmp_path / "run"
-    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.drop_zero_std=true",
-                 "--set", "trainer.max_sample_rounds=2", "--out", str(run)))
+    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.filters.drop_zero_std=true",
+                 "--set", "trainer.sampling.max_rounds=2", "--out", str(run)))
     m = metrics(run)
     for step in (1, 2):
         assert m[step]["train/skipped_empty_batch"] == 1.0 and m[step]["filter/sample_rounds"] == 2.0
