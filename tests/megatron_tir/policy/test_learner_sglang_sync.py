@@ -1,4 +1,4 @@
-"""Learner.sync_weights into SGLang servers through megatron_tir.rollout.sync.sglang, against
+"""The learner's buckets into SGLang servers through megatron_tir.rollout.sync.sglang, against
 the fake SGLang server process (tests/megatron_tir/rollout/engines/fake_sglang.py: a LocalEngine
 behind SGLang's HTTP API that joins the weight-update group with SGLang's own code, over gloo)."""
 
