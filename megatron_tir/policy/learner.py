@@ -86,6 +86,9 @@ class Learner:
             raise ValueError(f"learner.dtype={config.dtype} needs a GPU (on CPU the learner trains in float32)")
         if config.fp8 is not None and not te_available():
             raise ValueError(f"learner.fp8={config.fp8} needs Transformer Engine and a GPU")
+        if config.sequence_parallel and not te_available():  # megatron-core's WrappedTorchNorm asserts the same
+            raise ValueError("learner.sequence_parallel needs Transformer Engine's layer spec (a GPU with TE): "
+                             "the local spec's torch norms do not support sequence parallelism")
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron_tir.policy.parallel.init_parallel(tp, pp) before building a Learner")
         have = (parallel_state.get_tensor_model_parallel_world_size(),
@@ -105,9 +108,9 @@ class Learner:
         overrides: dict = {"variable_seq_lengths": config.pp > 1}
         if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
             overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
-        if config.fp8 is not None:
-            overrides.update(fp8=config.fp8, fp8_recipe="delayed")  # megatron-core's format names
-        model = build_gpt_model(self.spec, use_te=True if config.fp8 else None, **overrides)
+        overrides.update(config.transformer_overrides())
+        use_te = True if config.fp8 else te_available()
+        model = build_gpt_model(self.spec, use_te=use_te, **overrides)
         if source.checkpoint is not None:
             from megatron_tir.policy.checkpoint.megatron_io import load_model
 
@@ -163,6 +166,7 @@ class Learner:
         from megatron.core import parallel_state
 
         return plan_microbatches(attention_mask_BT, max_tokens=self.config.max_tokens_per_microbatch,
+                                 pad_to=self.config.pad_multiple,
                                  dp_rank=parallel_state.get_data_parallel_rank(),
                                  dp_size=parallel_state.get_data_parallel_world_size())
 

@@ -30,6 +30,7 @@ class RolloutTensors:
     void_B: torch.Tensor
     infra_B: torch.Tensor  # tool_failed or aborted
     truncated_B: torch.Tensor
+    turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -47,7 +48,17 @@ def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
         engine_logprobs_BT=rb.old_logprobs_BT, versions_BT=rb.versions_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
         void_B=rb.void_B,
         infra_B=torch.tensor([t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED) for t in trajs]),
-        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]))
+        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]),
+        turn_index_BT=_turn_index_BT(trajs, rb.tokens_BT.shape))
+
+
+def _turn_index_BT(trajs, shape) -> torch.Tensor:
+    out = torch.full(shape, -1, dtype=torch.long)
+    for b, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        for turn in t.turns:
+            out[b, p + turn.start:p + turn.start + turn.model_tokens] = turn.index
+    return out
 
 
 def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float
@@ -88,7 +99,8 @@ def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str
         low_prob_masked = int(((1 - keep_BT) * mask_BT).sum())
         mask_BT = mask_BT * keep_BT
     rows = mask_BT.sum(1) > 0
-    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows]}
+    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows],
+              "turn_index_BT": rt.turn_index_BT[rows]}
     if ref_logprobs_BT is not None:
         extras["ref_logprobs_BT"] = ref_logprobs_BT[rows]
     batch = TrainBatch(tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows],

@@ -55,7 +55,7 @@ class RolloutWorker:
             return await driver.run(problems, group_id_offset=group_id_offset)
         from tqdm import tqdm
 
-        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
+        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
     def sync_from(self, learner) -> int:
