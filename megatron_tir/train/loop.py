@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
@@ -121,7 +123,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
-            ckpts.save(learner, state)
+            ckpts.save({POLICY: learner}, state)
             pending_ckpt_s = time.perf_counter() - t0
     if sink is not None:
         observer.close()
@@ -149,6 +151,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
+    token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
     results = []
     with _timed(timings, "train"):
         if update.batch.tokens_BT.shape[0]:
@@ -156,9 +159,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             with _phase_bar(tc.progress, "update", n_opt) as bar:
                 for _ in range(tc.ppo.epochs):
                     for mb in mini_batches(update, tc.ppo.mini_batches):
-                        results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                          temperature=temperature,
-                                                          with_entropy=True))  # entropy: always a diagnostic
+                        results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
                         bar.update(1)
     max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
     if max_ratio is None:
