@@ -141,9 +141,11 @@ def open_sandbox(cfg: SandboxConfig) -> Iterator[ClusterSandbox]:
             from sandbox_cluster import LocalCluster
 
             log.info("starting a local sandbox cluster with %d workers", cfg.workers)
-            # the cluster's own lines follow this process's logging level (--log-level)
+            # The cluster's own lines follow this process's logging level, one step quieter at info (only
+            # its problems; its start-up report of protections at debug), as `sandbox-cluster` does for its
+            # throwaway clusters.
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-            level = level if level in ("debug", "info", "warning", "error") else "warning"
+            level = level if level in ("debug", "warning", "error") else "warning"
             address = stack.enter_context(LocalCluster(workers=cfg.workers, log_level=level)).address
         sandbox = ClusterSandbox.connect(address)
         stack.callback(sandbox.close)
