@@ -25,6 +25,7 @@ from pathlib import Path
 
 from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
 from megatron_tir.rollout.sandbox import ClusterSandbox, Sandbox
+from megatron_tir.rollout.sync.base import WeightSync
 from sandbox_cluster.protocol import Status
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,25 @@ def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=N
     from megatron_tir.rollout.engines.sglang import SGLangEngine
 
     return SGLangEngine(settings), AutoTokenizer.from_pretrained(model_dir)
+
+
+def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine) -> WeightSync:
+    """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``); ``await
+    sync.start()`` before the first ``update``, on the engine's event loop."""
+    if cfg.kind == "local":
+        from megatron_tir.rollout.sync.local import LocalWeightSync
+
+        return LocalWeightSync(engine)
+    from megatron_tir.rollout.sync import sglang as ws
+
+    if cfg.colocated:
+        return ws.TensorWeightSync(engine)
+    import socket
+
+    from megatron_tir.ports import free_port
+
+    return ws.DistributedWeightSync(engine, ws.DistributedWeightSyncConfig(master_address=socket.getfqdn(),
+                                                                           master_port=free_port()))
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pathlib import Path
 
 import torch
@@ -70,6 +72,8 @@ def layout_run(rank: int, world: int, tp: int, pp: int, distributed_optimizer: b
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.rollout.sync import drain
+    from megatron_tir.rollout.sync.local import LocalWeightSync
 
     init_parallel(tp, pp)
     learner = Learner(LearnerConfig(model="tiny-qwen2", tp=tp, pp=pp, lr=1e-4, max_tokens_per_microbatch=24,
@@ -88,7 +92,11 @@ def layout_run(rank: int, world: int, tp: int, pp: int, distributed_optimizer: b
             from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
             engine = LocalEngine(LocalEngineConfig(model="tiny-qwen2", eos_token_ids=(0,)))
-        learner.sync_weights(engine, bucket_bytes=1 << 20)
+        buckets = learner.named_hf_buckets(1 << 20)
+        if engine is None:
+            drain(buckets)
+        else:
+            asyncio.run(LocalWeightSync(engine).update(buckets))
         if engine is not None:
             result["engine_logprobs"] = _model_logprobs(engine.model, probe.tokens_BT, probe.attention_mask_BT)
     if rank == 0:
