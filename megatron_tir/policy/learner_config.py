@@ -1,9 +1,13 @@
 """The learner's typed records: its config, one mini-batch to train on, one step's result.
 
-``LossFn`` is the contract between the RL maths and the learner: a pure function of
-per-token tensors of one micro-batch, returning a per-token loss (and per-token metrics)
-that the learner masks and aggregates so that the result does not depend on how rows are
-split into micro-batches and data-parallel ranks.
+``LossFn`` is the contract between a head's loss and the learner: a function of the model's
+output for one micro-batch (whatever the model's head produces: for the policy, its
+vocab-parallel logits shard ``[b, L, V/tp]``) and that micro-batch's ``LossInputs`` (token
+ids, mask, row-aligned extras), returning a per-token loss ``[b, L]`` (and per-token
+metrics) that the learner masks and aggregates so that the result does not depend on how
+rows are split into micro-batches and data-parallel ranks. ``OutputFn`` is the forward-only
+counterpart (per-token outputs such as log-probs). The policy's losses, built from the
+vocab-parallel log-prob / entropy helpers, are in ``megatron_tir.policy.losses``.
 """
 
 from __future__ import annotations
@@ -24,10 +28,28 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")  # TransformerConfig.recompute_g
 RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
 FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs want token counts divisible by 16
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+HEADS = ("lm", "value")  # the policy's vocab-parallel LM head | a critic's one-output value head
 
-# loss_fn(logprobs_BT, entropy_BT or None, extras of the micro-batch) -> (per-token loss_BT, per-token metrics)
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]],
-                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LossInputs:
+    """One micro-batch as a loss sees it: ``tokens_bL`` (its rows, right-padded to the longest),
+    ``mask_bL`` (bool, True on each row's tokens) and ``extras`` (the batch's extras, packed the
+    same way: ``[b]`` or ``[b, L]``), all on the model's device."""
+
+    tokens_bL: torch.Tensor
+    mask_bL: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+
+# loss_fn(model output of the micro-batch, its inputs) -> (per-token loss_bL, per-token metrics {name: [b, L]})
+LossFn = Callable[[torch.Tensor, LossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# output_fn(model output of the micro-batch, its inputs) -> per-token outputs {name: [b, L]} (forward only)
+OutputFn = Callable[[torch.Tensor, LossInputs], dict[str, torch.Tensor]]
+# the policy's per-token loss on log-probs: (logprobs_bL, entropy_bL or None, extras) -> (loss_bL, metrics)
+TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]],
+                       tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,8 +57,8 @@ class LearnerConfig:
     """What the policy learner is: model, layout, precision, optimizer and lr schedule, micro-batching.
 
     ``model``: ``"smollm2"``, ``"tiny-qwen2"``, an HF directory, or a checkpoint / run
-    directory written by the learner or ``tir-ckpt`` (then its weights are loaded; the
-    optimizer state is restored by ``Learner.load``). The lr warms up linearly from 0 over
+    directory written by the trainer or ``tir-ckpt`` (then its weights are loaded; the
+    optimizer state is restored by ``megatron_tir.policy.checkpoint.learner_io.load_learner``). The lr warms up linearly from 0 over
     ``warmup_steps`` optimizer steps (step k uses ``lr * k / warmup_steps``), then follows
     ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_steps`` ("constant": stays at ``lr``).
 
@@ -50,6 +72,7 @@ class LearnerConfig:
     """
 
     model: str = "smollm2"
+    head: str = "lm"  # "lm" (the policy) | "value" (a critic: megatron_tir.policy.value_head)
     tp: int = 1
     pp: int = 1
     dtype: str = "float32"
@@ -79,6 +102,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("learner.model must name a model ('smollm2', 'tiny-qwen2', an HF or checkpoint dir)")
+        if self.head not in HEADS:
+            raise ValueError(f"learner.head {self.head!r} is not one of {', '.join(HEADS)}")
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"learner.tp and learner.pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.dtype not in DTYPES:
