@@ -24,6 +24,8 @@ from megatron_tir.policy.checkpoint.layout import POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
@@ -101,7 +103,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
-                worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+                worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
         else:
             metrics["train/skipped_empty_batch"] = 1.0
             log.warning("step %d: no group passed the filters; no update", step)
@@ -176,7 +178,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
-    }
+    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT)
     if results:
         out["train/loss"] = sum(r.loss for r in results) / len(results)
         out["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)

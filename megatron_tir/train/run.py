@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.rollout.sync import drain
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
@@ -43,7 +44,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
                                    model_dir=resolve_model(cfg.model))
         if resume:  # the engines start from the base weights: give them the policy's
-            worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+            worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
         return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)
     finally:
         if worker is not None:
