@@ -281,29 +281,26 @@ def _populate(stage: str, clones: list[tuple[str, bool, int]], exposed: list[str
         os.symlink(target, f"{stage}/dev/{name}")
     _minimal_etc(stage, uid, gid)
     os.makedirs(stage + "/proc", mode=0o555)
-    mount_proc(stage + "/proc", empty=stage + _EMPTY)
+    mount_proc(stage + "/proc", scratch_file=stage + "/etc/.empty")
     return Root(scratch=scratch, keep=keep)
 
 
-_EMPTY = "/etc/.empty"  # an empty root-owned file of the cells' root (read-only once it is built)
 _HIDDEN_PROC_FILES = ("cmdline",)  # host facts no interpreter needs: shown empty
 
 
-def mount_proc(target: str, empty: str) -> None:
-    """A /proc of the caller's pid namespace where a cell sees only the processes of its own
-    uid (``hidepid``: not its zygote, whose command line names the worker's host pid, nor the
-    root-owned cell forked ahead), and an empty kernel command line (the file ``empty`` bound
-    read-only over it)."""
+def mount_proc(target: str, scratch_file: str) -> None:
+    """A /proc of the caller's pid namespace at ``target``, with an empty kernel command line:
+    an empty root-owned file (made at ``scratch_file`` and removed once bound) read-only over
+    ``/proc/cmdline``."""
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    mount("proc", target, "proc", flags)
+    _write(scratch_file, b"", 0o444)
     try:
-        mount("proc", target, "proc", flags, "hidepid=invisible")
-    except OSError:  # kernels before 5.8 spell it 2
-        mount("proc", target, "proc", flags, "hidepid=2")
-    if not os.path.exists(empty):
-        _write(empty, b"", 0o444)
-    for name in _HIDDEN_PROC_FILES:
-        mount(empty, f"{target}/{name}", None, isolation.MS_BIND)
-        mount("none", f"{target}/{name}", None, isolation.MS_BIND | isolation.MS_REMOUNT | isolation.MS_RDONLY | flags)
+        for name in _HIDDEN_PROC_FILES:
+            mount(scratch_file, f"{target}/{name}", None, isolation.MS_BIND)
+            mount("none", f"{target}/{name}", None, isolation.MS_BIND | isolation.MS_REMOUNT | isolation.MS_RDONLY | flags)
+    finally:
+        os.unlink(scratch_file)  # (the binds keep the file)
 
 
 def _pivot_root(new_root: str, put_old: str) -> None:

@@ -2,8 +2,9 @@
 
 The next cell is forked ahead of its request, while the current one runs (fork() of a
 warm interpreter costs milliseconds; on a machine with a free core it is off the
-request's path) and waits for its request (``cell``). ``execute`` hands a request to it,
-watches it (``supervise``), and answers; a cell that ran to its end and reported it is
+request's path) and waits for its request (``cell``). ``execute`` hands a request to it (a
+memfd the worker wrote, passed on unread), watches it (``supervise``), and answers with the
+outcome and the output, which the worker turns into the result; a cell that ran to its end and reported it is
 answered at once, its reap, tree kill and scratch wipe following right after the answer
 (``finish``), before the next request.
 """
