@@ -31,11 +31,14 @@ run: install
 test: install
 	$(BIN)/python -m pytest
 
-bench: install
+bench: install  # every benchmark README's Benchmarks section reports, in its order
 	$(BIN)/sandbox-cluster bench
-	$(BIN)/python bench/bench_rollout.py
 	$(BIN)/python bench/bench_fork.py
+	$(BIN)/python bench/bench_engine.py --requests 16 --max-new-tokens 64
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_ckpt.py --rounds 5
+	$(BIN)/python bench/bench_rollout.py
+	$(BIN)/python bench/bench_learner.py
+	$(BIN)/python bench/bench_train.py --steps 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -49,8 +49,10 @@ def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
     return TrainBatch(tokens_BT=ids, attention_mask_BT=mask, loss_mask_BT=mask.float())
 
 
-def _nll(logprobs_BT, entropy_BT, extras):
-    return -logprobs_BT, {}
+def _nll():
+    from megatron_tir.policy.losses import NLLLoss
+
+    return NLLLoss()
 
 
 def _learner(model: str, **kw):
@@ -82,7 +84,7 @@ def throughput(model: str, rows: int, tokens: int, reps: int) -> dict:
 
     ours, theirs = [], []
     for i in range(reps + 1):  # the first of each is a warm-up
-        ours.append(learner.train_step(batch, _nll).timings["forward_backward"])
+        ours.append(learner.train_step(batch, _nll()).timings["forward_backward"])
         theirs.append(hf_step())
         log.info("rep %d: learner %.2f s, transformers %.2f s", i, ours[-1], theirs[-1])
     n = rows * tokens
@@ -140,7 +142,7 @@ def sync(model: str, reps: int) -> dict:
 def memory_child(model: str, rows: int, tokens: int, max_tokens: int) -> dict:
     learner = _learner(model, max_tokens_per_microbatch=max_tokens)
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    learner.train_step(_batch(learner.spec.vocab_size, rows, tokens), _nll)
+    learner.train_step(_batch(learner.spec.vocab_size, rows, tokens), _nll())
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"part": "memory", "model": model, "batch": f"{rows}x{tokens}",
             "max_tokens_per_microbatch": learner.config.max_tokens_per_microbatch,

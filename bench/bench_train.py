@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         run_training(cfg, run_dir, state, resume=False)
     rows = read_metrics(run_dir)
     r, t = cfg.rollout, cfg.trainer
-    print(f"== bench_train: recipe {args.recipe}, {t.prompts_per_step} prompts x {r.n_samples} samples, "
+    print(f"== bench_train: recipe {args.recipe}, {t.sampling.prompts_per_step} prompts x {r.n_samples} samples, "
           f"<= {r.max_turns} turns, {r.max_response_tokens} response tokens; run dir {run_dir}")
     print("step | " + " | ".join(f"{ph:>10}" for ph in PHASES) + " |  total s | peak RSS GiB | reward | code use")
     prev_t = start

@@ -121,7 +121,10 @@ def open_sandbox(cfg: SandboxConfig) -> Iterator[ClusterSandbox]:
             from sandbox_cluster import LocalCluster
 
             log.info("starting a local sandbox cluster with %d workers", cfg.workers)
-            address = stack.enter_context(LocalCluster(workers=cfg.workers)).address
+            # the cluster's own lines follow this process's logging level (--log-level)
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+            level = level if level in ("debug", "info", "warning", "error") else "warning"
+            address = stack.enter_context(LocalCluster(workers=cfg.workers, log_level=level)).address
         sandbox = ClusterSandbox.connect(address)
         stack.callback(sandbox.close)
         yield sandbox

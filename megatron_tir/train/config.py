@@ -16,22 +16,22 @@ baseline with the same loop.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import enum
-import types
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_tir import config_io
+from megatron_tir.finite import check_finite
+from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
-from megatron_tir.rl import MODES, OVERLONG, LossConfig
+from megatron_tir.reward import RewardConfig
+from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
-ADVANTAGES = ("grpo", "reinforce_pp")
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
+DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
 OLD_LOGPROBS = ("learner", "engine")
 
 
@@ -54,71 +54,105 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainerConfig:
-    steps: int = 10
-    mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
-    advantage: str = "grpo"  # grpo | reinforce_pp
-    std_normalize: bool = True  # GRPO: divide by the group std
+class SamplingConfig:
+    """What one step samples: the train batch in prompts, and dynamic sampling to fill it."""
     prompts_per_step: int = 8  # the train batch, in prompts (groups)
     sample_prompts: int | None = None  # prompts sampled per round (dynamic sampling); None: prompts_per_step
-    max_sample_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+    max_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "max_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sample_prompts is not None and self.sample_prompts < self.prompts_per_step:
+            raise ValueError(f"sample_prompts ({self.sample_prompts}) must be >= prompts_per_step "
+                             f"({self.prompts_per_step})")
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.sample_prompts or self.prompts_per_step
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterConfig:
+    """Which groups, rows and tokens the update keeps (the mode's filters are in ``trainer.mode``)."""
     drop_zero_std: bool = True  # group filter: groups whose rewards all agree carry no signal
     accuracy_lo: float = 0.0  # group filter: keep groups with accuracy in [lo, hi]
     accuracy_hi: float = 1.0
     overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep"
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
     high_ratio_bound: float = 5.0  # mode high_ratio_filter: tokens with ratio above it get no loss
-    ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
+            raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
+        if not 0 <= self.low_prob_fraction < 1:
+            raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
+        if not self.high_ratio_bound > 1:
+            raise ValueError(f"high_ratio_bound must be > 1, got {self.high_ratio_bound}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig:
+    """Advantages and the update's passes over the batch."""
+    advantage: str = "grpo"  # a name in megatron_tir.rl.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | reinforce_pp | reinforce_pp_baseline
+    epochs: int = 1  # passes over the batch per step
     mini_batches: int = 1  # optimizer steps per epoch
     old_logprobs: str = "learner"  # learner | engine
-    loss: LossConfig = field(default_factory=LossConfig)
-    save_every: int = 0  # steps between run checkpoints (0: only at the end)
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
+        for name in ("epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When run checkpoints are written and how many are kept."""
+    every: int = 0  # steps between run checkpoints (0: only at the end)
     keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    steps: int = 10
+    mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
-    # Turn schedule: switch to the larger budget at a step, or when the mean response length plateaus.
-    schedule_at_step: int | None = None
-    schedule_on_plateau: bool = False
-    plateau_window: int = 10  # steps compared: the last window vs the one before
-    plateau_tolerance: float = 0.02  # relative change of the mean response length below which it plateaued
-    schedule_max_turns: int = 10
-    schedule_max_response_tokens: int = 24576
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
-        for name in ("steps", "prompts_per_step", "max_sample_rounds", "ppo_epochs", "mini_batches", "keep_last",
-                     "plateau_window", "schedule_max_turns", "schedule_max_response_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sample_prompts is not None and self.sample_prompts < self.prompts_per_step:
-            raise ValueError(f"sample_prompts ({self.sample_prompts}) must be >= prompts_per_step "
-                             f"({self.prompts_per_step})")
-        if self.mini_batches > self.prompts_per_step:
-            raise ValueError(f"mini_batches ({self.mini_batches}) must be <= prompts_per_step")
-        if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
-            raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
-        if not 0 <= self.low_prob_fraction < 1:
-            raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
-        if self.high_ratio_bound <= 1:
-            raise ValueError(f"high_ratio_bound must be > 1, got {self.high_ratio_bound}")
-        if self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("save_every and eval_every must be >= 0")
-        if self.schedule_at_step is not None and self.schedule_at_step < 1:
-            raise ValueError(f"schedule_at_step must be >= 1 or null, got {self.schedule_at_step}")
-        if self.plateau_tolerance < 0:
-            raise ValueError(f"plateau_tolerance must be >= 0, got {self.plateau_tolerance}")
-
-    @property
-    def prompts_per_round(self) -> int:
-        return self.sample_prompts or self.prompts_per_step
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.ppo.mini_batches > self.sampling.prompts_per_step:
+            raise ValueError(f"ppo.mini_batches ({self.ppo.mini_batches}) must be <= sampling.prompts_per_step "
+                             f"({self.sampling.prompts_per_step})")
+        if self.ppo.mini_batches > 1 and self.sampling.prompts_per_step % self.ppo.mini_batches:
+            raise ValueError(f"sampling.prompts_per_step ({self.sampling.prompts_per_step}) must be a multiple of "
+                             f"ppo.mini_batches ({self.ppo.mini_batches})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,17 +162,16 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
-        if self.trainer.mini_batches > 1 and self.trainer.prompts_per_step % self.trainer.mini_batches:
-            raise ValueError(f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
-                             f"trainer.mini_batches ({self.trainer.mini_batches})")
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
 
 
@@ -152,11 +185,13 @@ def tiny_cpu() -> TrainConfig:
         rollout=RolloutConfig(n_samples=2, max_turns=2, max_response_tokens=48, max_in_flight=8),
         engine=EngineConfig(max_batch_size=8),
         sandbox=SandboxConfig(workers=1),
+        reward=RewardConfig(workers=1),
         data=DataConfig(eval_size=2),
         # A random model earns no reward and every trajectory is void: void rows stay in the loss and a
         # small entropy bonus gives the update a gradient, so every stage of a step runs.
-        trainer=TrainerConfig(steps=2, mode="stop_without_filter", prompts_per_step=2, drop_zero_std=False,
-                              overlong="keep", save_every=1, progress=False,
+        trainer=TrainerConfig(steps=2, mode="stop_without_filter", sampling=SamplingConfig(prompts_per_step=2),
+                              filters=FilterConfig(drop_zero_std=False, overlong="keep"),
+                              checkpoint=CheckpointConfig(every=1), progress=False,
                               loss=LossConfig(entropy_coef=1e-3)),
     )
 
@@ -172,7 +207,9 @@ def smollm2_cpu() -> TrainConfig:
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
         data=DataConfig(eval_size=32, eval_samples=1),
-        trainer=TrainerConfig(steps=10, prompts_per_step=8, ppo_epochs=2, overlong="keep", save_every=5, eval_every=5),
+        trainer=TrainerConfig(steps=10, sampling=SamplingConfig(prompts_per_step=8), ppo=PPOConfig(epochs=2),
+                              filters=FilterConfig(overlong="keep"), checkpoint=CheckpointConfig(every=5),
+                              eval_every=5),
     )
 
 
@@ -187,10 +224,15 @@ def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
                               max_in_flight=1024),
         engine=EngineConfig(kind="sglang", urls=("http://localhost:30000",)),
         sandbox=SandboxConfig(workers=64),
+        # ~20K answers per sampling round, checked on rank 0's node while the sandbox runs elsewhere
+        reward=RewardConfig(workers=16),
         data=DataConfig(train="math_train", eval="aime24", eval_size=30, eval_samples=16),
-        trainer=TrainerConfig(steps=500, prompts_per_step=512, sample_prompts=1280, max_sample_rounds=3,
-                              ppo_epochs=4, mini_batches=1, save_every=20, keep_last=3, eval_every=20,
-                              schedule_on_plateau=True, schedule_max_turns=10, schedule_max_response_tokens=24576),
+        trainer=TrainerConfig(steps=500,
+                              sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1280, max_rounds=3),
+                              ppo=PPOConfig(epochs=4, mini_batches=1),
+                              checkpoint=CheckpointConfig(every=20, keep_last=3), eval_every=20,
+                              turn_schedule=TurnScheduleConfig(on_plateau=True, max_turns=10,
+                                                               max_response_tokens=24576)),
     )
 
 
@@ -218,142 +260,26 @@ def load_recipe(name: str) -> TrainConfig:
     return RECIPES[name]()
 
 
-# ----------------------------------------------------------------------------- overrides
-
-def _parse(text: str, tp, key: str):
-    """``text`` as a value of type ``tp`` (a resolved annotation)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if type(None) in args and text.strip().lower() in ("null", "none", ""):
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _parse(text, a, key)
-            except ValueError:
-                continue
-        raise ValueError(f"{key}: {text!r} is not a {' | '.join(getattr(a, '__name__', str(a)) for a in args)}")
-    if origin is tuple:
-        (item, *_rest) = typing.get_args(tp)
-        return tuple(_parse(x.strip(), item, key) for x in text.split(",") if x.strip())
-    if tp is bool:
-        low = text.strip().lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{key}: {text!r} is not a bool (true/false)")
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not an int") from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not a number") from None
-    if tp is str:
-        return text
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not one of {', '.join(m.value for m in tp)}") from None
-    raise ValueError(f"{key}: fields of type {tp} cannot be set from the command line")
-
-
-def _assign(cfg: TrainConfig, path: list[str], text: str, key: str) -> None:
-    """Set ``path`` of ``cfg`` (in place, not yet validated) to ``text`` parsed by the field's type."""
-    obj = cfg
-    for depth, name in enumerate(path):
-        names = [f.name for f in dataclasses.fields(obj)]
-        where = ".".join(path[:depth]) or "the config"
-        if name not in names:
-            raise ValueError(f"unknown key {key!r} ({where} has: {', '.join(names)})")
-        current = getattr(obj, name)
-        last = depth == len(path) - 1
-        if dataclasses.is_dataclass(current):
-            if last:
-                raise ValueError(f"{key} is a section; set one of its keys ({key}.<key>)")
-            obj = current
-            continue
-        if not last:
-            raise ValueError(f"unknown key {key!r} ({'.'.join(path[:depth + 1])} is not a section)")
-        setattr(obj, name, _parse(text, typing.get_type_hints(type(obj))[name], key))
-
-
-def _validated(obj, prefix: str, touched: dict[str, list[str]]):
-    """``obj`` rebuilt bottom-up (every ``__post_init__`` runs); errors name the keys set in the failing section."""
-    changes = {}
-    for f in dataclasses.fields(obj):
-        sub = getattr(obj, f.name)
-        if dataclasses.is_dataclass(sub):
-            changes[f.name] = _validated(sub, f"{prefix}{f.name}.", touched)
-    try:
-        return dataclasses.replace(obj, **changes)
-    except (ValueError, TypeError) as exc:
-        keys = touched.get(prefix, []) or [k for p, ks in touched.items() if p.startswith(prefix) for k in ks]
-        raise ValueError(f"{', '.join(keys) or prefix.rstrip('.') or 'config'}: {exc}") from None
-
+# ----------------------------------------------------------------------------- overrides and JSON
 
 def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """``cfg`` with every ``key=value`` applied (a new config; ``cfg`` is not changed).
+    """``cfg`` with every ``key=value`` applied (a new config; :func:`megatron_tir.config_io.apply_overrides`).
 
-    All values are parsed and set first, then every section is validated, so keys that
-    depend on each other (``engine.kind=sglang`` and ``engine.urls``) can come in any order.
-    Errors name the key (a bad value) or the keys set in the section that failed validation.
+    Keys another key decides are refused: ``learner.model`` / ``engine.model`` (the top-level
+    ``model``) and ``rollout.void_turn`` (``trainer.mode``).
     """
-    cfg = copy.deepcopy(cfg)
-    touched: dict[str, list[str]] = {}
     for item in overrides:
-        key, sep, text = item.partition("=")
-        key, text = key.strip(), text.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        if key in DERIVED_KEYS:
-            raise ValueError(f"{key} follows the top-level model; set model={text} instead")
-        path = key.split(".")
-        _assign(cfg, path, text, key)
-        touched.setdefault("".join(p + "." for p in path[:-1]), []).append(f"{key}={text}")
-    return _validated(cfg, "", touched)
+        key, _, text = item.partition("=")
+        if key.strip() in DERIVED_KEYS:
+            raise ValueError(f"{key.strip()} follows the top-level model; set model={text.strip()} instead")
+    return config_io.apply_overrides(cfg, overrides, decided_by=DECIDED_BY)
 
 
-# ----------------------------------------------------------------------------- JSON
-
-def to_dict(cfg) -> dict:
-    """A JSON-ready dict of a config (enums as their values, tuples as lists)."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            v = to_dict(v)
-        elif isinstance(v, enum.Enum):
-            v = v.value
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
-    return out
+def to_dict(cfg: TrainConfig) -> dict:
+    """A JSON-ready dict of the config (``config.json``)."""
+    return config_io.to_dict(cfg)
 
 
-def from_dict(data: dict, cls: type = TrainConfig):
+def from_dict(data: dict) -> TrainConfig:
     """The inverse of :func:`to_dict` (a resolved ``config.json``); sections validate as they are built."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}")
-    kwargs = {}
-    for name, value in data.items():
-        tp = hints[name]
-        if isinstance(value, dict):
-            kwargs[name] = from_dict(value, tp)
-        elif isinstance(value, list):
-            kwargs[name] = tuple(value)
-        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs[name] = tp(value)
-        else:
-            kwargs[name] = value
-    return cls(**kwargs)
+    return config_io.build(TrainConfig, data)

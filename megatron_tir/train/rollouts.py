@@ -24,20 +24,20 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """Owns the engine, the sandbox and the event loop on rank 0 (a context manager)."""
 
-    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
+    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir) -> None:
         self._stack = contextlib.ExitStack()
         try:
-            self._start(engine_cfg, sandbox_cfg, model_dir)
+            self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir)
         except BaseException:
             self._stack.close()
             raise
 
-    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
+    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg, model_dir) -> None:
         from megatron_tir.reward import MathVerifier
 
         self.runner = self._stack.enter_context(asyncio.Runner())
         self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
-        self.verifier = self._stack.enter_context(MathVerifier())
+        self.verifier = self._stack.enter_context(MathVerifier(reward_cfg))
         self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
         self.weight_sync = None  # SGLang: the connected sender that Learner.sync_weights drives
@@ -66,7 +66,7 @@ class RolloutWorker:
             return await driver.run(problems, group_id_offset=group_id_offset)
         from tqdm import tqdm
 
-        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
+        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
     def sync_from(self, learner) -> None:

@@ -29,17 +29,17 @@ def test_paper_hyper_parameters_in_the_simpletir_recipes():
         assert (c.rollout.temperature, c.rollout.n_samples, c.rollout.max_turns, c.rollout.max_response_tokens) == (
             1.0, 16, 5, 16384)
         t = c.trainer
-        assert (t.sample_prompts, t.prompts_per_step, t.ppo_epochs, t.mode) == (1280, 512, 4, "simpletir")
+        assert (t.sampling.sample_prompts, t.sampling.prompts_per_step, t.ppo.epochs, t.mode) == (1280, 512, 4, "simpletir")
         assert (t.loss.clip_low, t.loss.clip_high, t.loss.dual_clip, t.loss.kl_coef, t.loss.entropy_coef) == (
             0.2, 0.28, 3.0, 0.0, 0.0)
-        assert (t.schedule_max_turns, t.schedule_max_response_tokens, t.schedule_on_plateau) == (10, 24576, True)
+        assert (t.turn_schedule.max_turns, t.turn_schedule.max_response_tokens, t.turn_schedule.on_plateau) == (10, 24576, True)
 
 
 def test_launcher_keys_in_any_order():
     cfg = apply_overrides(load_recipe("tiny-cpu"), [
         "engine.kind=sglang", "engine.urls=http://h1:30000,http://h2:30000", "engine.colocated=true",
         "sandbox.address=tcp://host:5555", "learner.tp=2", "learner.pp=1", "rollout.max_turns=10",
-        "trainer.loss.clip_high=0.3", "trainer.sample_prompts=null", "rollout.prompt.mode=chat"])
+        "trainer.loss.clip_high=0.3", "trainer.sampling.sample_prompts=null", "rollout.prompt.mode=chat"])
     assert cfg.engine.kind == "sglang" and cfg.engine.urls == ("http://h1:30000", "http://h2:30000")
     assert cfg.engine.colocated is True and cfg.sandbox.address == "tcp://host:5555" and cfg.learner.tp == 2
     assert cfg.rollout.max_turns == 10 and cfg.trainer.loss.clip_high == 0.3
@@ -59,6 +59,9 @@ def test_launcher_keys_in_any_order():
     ("engine.kind=sglang", "engine.kind=sglang: engine kind 'sglang' needs urls"),
     ("steps", "override 'steps' is not key=value"),
     ("learner.model=x", "learner.model follows the top-level model; set model=x instead"),
+    ("rollout.void_turn=continue", "rollout.void_turn is decided by trainer.mode; set trainer.mode instead"),
+    ("trainer.ppo.advantage=ppo_gae", "trainer.ppo.advantage=ppo_gae: advantage must be one of grpo, dr_grpo"),
+    ("reward.workers=0", "reward.workers=0: reward workers must be >= 1"),
 ])
 def test_bad_overrides_are_one_line_errors_naming_the_key(item, message):
     with pytest.raises(ValueError) as info:
@@ -78,3 +81,16 @@ def test_unknown_recipe():
 def test_mode_decides_the_void_turn_behaviour(mode, void_turn):
     cfg = apply_overrides(load_recipe("tiny-cpu"), [f"trainer.mode={mode}", "rollout.tools=false"])
     assert cfg.rollout.void_turn == void_turn and cfg.rollout.tools is False
+
+
+def test_the_reward_checker_is_set_from_the_run_config():
+    cfg = apply_overrides(load_recipe("tiny-cpu"), ["reward.workers=3", "reward.timeout_s=2.5"])
+    assert (cfg.reward.workers, cfg.reward.timeout_s) == (3, 2.5)
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))).reward == cfg.reward
+
+
+def test_a_config_json_with_an_unknown_advantage_is_refused():
+    data = to_dict(load_recipe("tiny-cpu"))
+    data["trainer"]["ppo"]["advantage"] = "ppo_gae"
+    with pytest.raises(ValueError, match="trainer.ppo: advantage must be one of grpo, dr_grpo, reinforce_pp"):
+        from_dict(data)

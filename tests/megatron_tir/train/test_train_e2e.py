@@ -64,10 +64,11 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     check_ok(p)
     assert (run / "plots" / "reward.png").is_file() and "reward.png" in p.stdout
 
-    # the policy of a run checkpoint exports to HF with tir-ckpt
+    # the policy of a run checkpoint exports to HF with tir-ckpt (the step directory; the run
+    # directory, its latest step, is tested with eval in test_run_checkpoint_model_source)
     hf = tmp_path / "hf"
     p = subprocess.run([PY, "-m", "checkpoints_tools.cli", "megatron-to-hf", "--ckpt",
-                        str(run / "checkpoints" / "step_3" / "learner"), "--out", str(hf)], env=ENV,
+                        str(run / "checkpoints" / "step_3"), "--out", str(hf)], env=ENV,
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     check_ok(p)
     assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
@@ -89,8 +90,8 @@ def test_a_filter_that_empties_the_batch_refills_then_skips_the_update(tmp_path)
     """tiny-cpu's random policy earns no reward: every group has zero std, so dynamic sampling
     samples the configured extra rounds, then the step skips the update and the run goes on."""
     run = tmp_path / "run"
-    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.drop_zero_std=true",
-                 "--set", "trainer.max_sample_rounds=2", "--out", str(run)))
+    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.filters.drop_zero_std=true",
+                 "--set", "trainer.sampling.max_rounds=2", "--out", str(run)))
     m = metrics(run)
     for step in (1, 2):
         assert m[step]["train/skipped_empty_batch"] == 1.0 and m[step]["filter/sample_rounds"] == 2.0

@@ -10,9 +10,8 @@ from crafted_rollouts import C, F, V, group
 from megatron_tir.rollout.trajectory import Turn
 from megatron_tir.tir.markup import TurnKind
 from megatron_tir.rollout.engines.base import FinishReason
-from megatron_tir.train.config import TrainerConfig
 from megatron_tir.train.metrics import MetricsSink, plot_run, read_metrics, rollout_metrics
-from megatron_tir.train.schedule import plateaued, schedule_due
+from megatron_tir.train.schedule import TurnScheduleConfig, plateaued, schedule_due
 
 
 def test_rollout_metrics_of_crafted_groups():
@@ -42,7 +41,7 @@ def test_sink_writes_jsonl_tensorboard_and_truncates_on_resume(tmp_path):
     MetricsSink(tmp_path, truncate_to=offset).close()  # a resume from the step-1 checkpoint
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     written = plot_run(tmp_path)
-    assert {p.name for p in written} >= {"reward.png", "train.png"}
+    assert {p.name for p in written} >= {"reward.png", "loss.png", "dashboard.png"}
     assert all(p.stat().st_size > 1000 for p in written)
 
 
@@ -55,9 +54,9 @@ def test_plateau_and_schedule():
     assert not plateaued([100, 200, 300], window=2, tolerance=0.05)
     assert plateaued([100, 200, 300, 302, 299, 301], window=2, tolerance=0.05)
     assert not plateaued([100, 200, 300, 350], window=2, tolerance=0.05)
-    cfg = TrainerConfig(schedule_at_step=5)
+    cfg = TurnScheduleConfig(at_step=5)
     assert not schedule_due(4, cfg, []) and schedule_due(5, cfg, [])
-    cfg = TrainerConfig(schedule_on_plateau=True, plateau_window=2, plateau_tolerance=0.05)
+    cfg = TurnScheduleConfig(on_plateau=True, plateau_window=2, plateau_tolerance=0.05)
     assert schedule_due(7, cfg, [100, 200, 300, 302, 299, 301]) and not schedule_due(7, cfg, [1, 2, 3, 4])
 
 
