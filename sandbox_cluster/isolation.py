@@ -54,6 +54,7 @@ PR_SET_NO_NEW_PRIVS = 38
 # Directories a non-root process can usually write to; each gets a private size-limited tmpfs.
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WORKDIR = "/tmp"
+_MNT_DETACH = 2
 
 
 def check(ret: int, what: str) -> None:
@@ -144,6 +145,18 @@ def mount_private_tmpfs(size_mb: int, inodes: int, uid: int, gid: int, root: str
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WIPE_BATCH = 4096  # names unlinked per directory listing: the memory a wipe needs stays small
+
+
+def fresh_tmpfs(path: str, size_mb: int, inodes: int, uid: int, gid: int) -> None:
+    """Replace the private tmpfs at ``path`` (one ``mount_private_tmpfs`` made, holding no
+    mount) by an empty one: everything in it goes at once, in the kernel, whatever its shape."""
+    check(libc.umount2(path.encode(), _MNT_DETACH), f"umount {path}")
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,nr_inodes={inodes},mode=0700,uid={uid},gid={gid}")
+
+
+def inodes_used(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_files - st.f_ffree
 
 
 def wipe_dir(path: str, keep: frozenset[str] | set[str] = frozenset()) -> int:

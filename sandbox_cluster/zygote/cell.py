@@ -1,8 +1,7 @@
 """The cell: the body of the process a zygote forks for one request.
 
 Forked ahead of its request (``Zygote.prepare_next``), it starts a new session, gets its
-stdio pipes, closes every other fd, chdirs into the private /tmp, sets the
-request-independent rlimits and waits, still root but having run no foreign code, for its
+stdio pipes, closes every other fd, sets the request-independent rlimits and waits, still root but having run no foreign code, for its
 request on fd 0 (a socket: a header, and the memfd the worker wrote the request into, which
 the zygote passes on unread). Then it sets the CPU and address-space limits, drops to the slot's
 uid/gid, loads seccomp and runs the code in-process with the warm modules. At its end it
@@ -83,7 +82,6 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        os.chdir(cell.workdir)
         lim = cell.limits
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb << 20, lim.max_file_mb << 20))
@@ -98,6 +96,7 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
         (as_limit, cpu_limit, seq), request = handed
         req = decode_request(request)
         del handed, request
+        os.chdir(cell.workdir)  # (only now: the zygote may have replaced the scratch tmpfs meanwhile)
         stdin_fd = os.memfd_create("stdin") if req.stdin else os.open(os.devnull, os.O_RDONLY)
         if req.stdin:
             os.write(stdin_fd, req.stdin.encode())

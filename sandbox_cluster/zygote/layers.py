@@ -30,6 +30,8 @@ from .warm import import_warm_modules
 
 log = logging.getLogger(__name__)
 
+REMOUNT_ABOVE_INODES = 512  # a scratch tmpfs holding more is replaced, not wiped entry by entry
+
 
 class Layers:
     def __init__(self, *, uid: int, limits: SandboxLimits) -> None:
@@ -255,7 +257,17 @@ class Layers:
         isolation.reap_zombies()
 
     def wipe_scratch(self) -> None:
+        """Empty the scratch dirs: entry by entry, or, for a private tmpfs holding many entries
+        and no exposed tree, by mounting a fresh one over it (constant time, in the kernel; the
+        cell forked ahead enters /tmp only once its request came)."""
         for d in self.scratch_dirs:
+            if d in self.tmpfs_dirs and not any(os.path.dirname(k) == d for k in self.keep):
+                try:
+                    if isolation.inodes_used(d) > REMOUNT_ABOVE_INODES:
+                        isolation.fresh_tmpfs(d, self.limits.tmpfs_mb, self.limits.tmpfs_inodes, self.uid, self.gid)
+                        continue
+                except OSError as exc:
+                    log.warning("could not replace the tmpfs at %s (%s); wiping it entry by entry", d, exc)
             isolation.wipe_dir(d, self.keep)
 
     def close(self) -> None:

@@ -88,3 +88,47 @@ def test_a_cell_learns_less_of_the_host_from_proc(one_slot):
     # no kernel command line (and it cannot be changed); no command line it can read (its own
     # is its zygote's, inherited at fork) names the worker's host pid
     assert res.stdout.splitlines() == ["''", "False", "unwritable"], res.stdout
+
+
+def test_wipe_dir_removes_any_tree_and_follows_nothing(tmp_path):
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from sandbox_cluster.isolation import wipe_dir
+
+    if os.path.isdir("/dev/shm"):  # a tmpfs, like the cells' scratch (a disk is slow on a loaded host)
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="wipe-test-"))
+    try:
+        _wipe_any_tree(tmp_path, wipe_dir)
+    finally:
+        if str(tmp_path).startswith("/dev/shm/"):
+            shutil.rmtree(tmp_path)
+
+
+def _wipe_any_tree(tmp_path, wipe_dir):
+    import os
+
+    scratch, outside = tmp_path / "scratch", tmp_path / "outside"
+    scratch.mkdir()
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (scratch / "kept").mkdir()  # root's dir leading to an exposed tree: never wiped
+    (scratch / "kept" / "inner").write_text("x")
+    deep = os.open(scratch, os.O_RDONLY)
+    for _ in range(5000):  # deeper than PATH_MAX and than Python's recursion limit
+        os.mkdir("d", dir_fd=deep)
+        deep, parent = os.open("d", os.O_RDONLY, dir_fd=deep), deep
+        os.close(parent)
+    os.mkfifo("fifo", dir_fd=deep)
+    os.close(deep)
+    (scratch / "link").symlink_to(outside)  # a wipe that followed it would empty outside/
+    (scratch / "closed").mkdir()
+    (scratch / "closed" / "f").write_text("x")
+    (scratch / "closed").chmod(0)
+    for i in range(300):
+        (scratch / f"f{i}").touch()
+    assert wipe_dir(str(scratch), {str(scratch / "kept")}) == 5000 + 1 + 1 + 2 + 300
+    assert sorted(os.listdir(scratch)) == ["kept"] and os.listdir(scratch / "kept") == ["inner"]
+    assert (outside / "precious").read_text() == "x"
