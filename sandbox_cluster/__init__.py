@@ -60,9 +60,10 @@ silently; ``require_full_isolation=True`` refuses to start instead):
 - disk: /tmp (the working dir), /var/tmp and /dev/shm are private tmpfs mounts of the
   slot, limited in size (``tmpfs_mb``) and in inodes (``tmpfs_inodes``), wiped after every
   request (their pages count against the cell's memory limit); the wipe removes any tree a
-  cell can build (any depth, special files, any modes) in time linear in its entries,
-  which the inode limit bounds, with no recursion and constant memory; every other mount
-  of the cells' root but /proc is read-only;
+  cell can build (any depth, special files, any modes) in bounded time: a tmpfs left with
+  more than a few hundred inodes is replaced by a fresh mount (constant time), fewer are
+  removed entry by entry (no recursion, constant memory); every other mount of the cells'
+  root but /proc is read-only;
 - host facts: ``/proc/cmdline`` is empty (a read-only empty file bound over it); the
   zygote's command line, which every cell inherits as its own, holds no host pid;
 - IPC: the zygote has its own IPC namespace where SysV message queues, semaphores, shared
