@@ -10,7 +10,7 @@
 * padding: padding share of the token-budget micro-batches (``plan_microbatches``,
   4096 tokens) for 256 rows whose lengths follow an RL-like mix (prompt 80-400 tokens +
   a log-normal response, cut at 16K), vs padding every row to the longest.
-* sync: bytes/s of ``Learner.sync_weights`` into a ``LocalEngine`` (export + the engine's
+* sync: bytes/s of ``LocalWeightSync.update(learner.named_hf_buckets())`` into a ``LocalEngine`` (export + the engine's
   checked ``update_weights``) vs a plain ``copy_`` of the same tensors into the engine's
   parameters. Median of ``--reps``; ratio = sync / copy (target >= 0.5).
 * memory: peak RSS of a fresh process that builds the learner (TP=1, ``--max-tokens`` per
@@ -112,6 +112,7 @@ def padding(max_tokens: int = 4096, rows: int = 256) -> dict:
 
 def sync(model: str, reps: int) -> dict:
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+    from megatron_tir.rollout.sync.local import LocalWeightSync
 
     learner = _learner(model)
     named = [item for bucket in learner.hf_weights(256 << 20) for item in bucket]
@@ -123,7 +124,7 @@ def sync(model: str, reps: int) -> dict:
         ours, plain = [], []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            await learner.sync_weights_async(engine)
+            await LocalWeightSync(engine).update(learner.named_hf_buckets())
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             with torch.no_grad():

@@ -56,8 +56,9 @@ class StepObserver:
     def held_out(self, step: int, groups) -> None:
         if self.log_cfg.dump_due(step) or (step == 0 and self.log_cfg.dump_every):
             self._records += step_records(step, "eval", groups, self.tokenizer, include_ids=self.log_cfg.dump_tokens)
-        if step == 0:  # the evaluation before training: its own dump
+        if step == 0:  # the evaluation before training: its own dump; step 1's clock starts after it
             self.flush(0)
+            self._t_end = time.perf_counter()
 
     def end_step(self, step: int, metrics: dict) -> dict[str, float]:
         """The step-level diagnostics to add to ``metrics``; logs the step line, writes the dump."""

@@ -67,7 +67,8 @@ def render(rec: dict, *, color: bool = False, max_question_chars: int = 400) -> 
             f"status {rec.get('status')}", f"reward {rec.get('reward')}"]
     if upd is not None:
         if upd.get("in_loss"):
-            head.append(f"in loss, advantage {upd['advantage']:+.3f}")
+            adv = upd.get("advantage")
+            head.append("in loss" + ("" if adv is None else f", advantage {adv:+.3f}"))  # None: per-token (GAE)
         else:
             head.append(f"NOT IN LOSS ({upd.get('dropped_by')})")
     if rec.get("void_reason"):

@@ -9,8 +9,8 @@ is the factory of its gate and up halves) is copied into the parameter.
 ``hf_buckets`` is the other way, for weight sync: stage by stage, the stage's first TP
 rank of data-parallel replica 0 gathers each parameter's TP shards (``all_gather`` over the
 TP group), splits it into HF tensors (``keymap.to_hf``) and sends them to global rank 0
-(gloo/nccl point-to-point) unless it is rank 0; rank 0 yields buckets of about
-``bucket_bytes``. A collective: every rank must exhaust the iterator; only rank 0 gets
+(gloo/nccl point-to-point) unless it is rank 0; rank 0 yields ``(stage, tensors)``
+buckets of about ``bucket_bytes`` (a bucket holds one stage's tensors). A collective: every rank must exhaust the iterator; only rank 0 gets
 tensors. Tensors of rank 0's own stage at TP=1 are views of the live parameters (no copy):
 use them before the next optimizer step.
 """
@@ -34,11 +34,12 @@ _LAYERS = "decoder.layers."
 
 
 def _global_name(local: str, layer_offset: int, spec: ModelSpec) -> str:
-    """A stage's state-dict name (local layer index) -> the key map's name (global layer index);
-    a tied output layer (on the last stage) is the embedding."""
+    """A stage's state-dict name (local layer index; local or TE layer spec) -> the key map's
+    name (global layer index, local spec's names); a tied output layer (on the last stage) is
+    the embedding."""
     if local.startswith(_LAYERS):
         i, rest = local.removeprefix(_LAYERS).split(".", 1)
-        return f"{_LAYERS}{int(i) + layer_offset}.{rest}"
+        return keymap.local_name(f"{_LAYERS}{int(i) + layer_offset}.{rest}")
     if local == "output_layer.weight" and spec.tie_word_embeddings:
         return "embedding.word_embeddings.weight"
     return local
@@ -50,8 +51,9 @@ def _layer_offset(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
-    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage)."""
+def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ...] = ()) -> None:
+    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage);
+    parameters named in ``skip`` (a critic's value head) keep their own values."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     plans = {p.megatron: p for p in keymap.plan(spec)}
@@ -61,7 +63,7 @@ def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
     cached: tuple[str, torch.Tensor] | None = None
     try:
         for name, entry in model.sharded_state_dict(prefix=MODEL_PREFIX).items():
-            if isinstance(entry, ShardedObject):
+            if isinstance(entry, ShardedObject) or name.removeprefix(MODEL_PREFIX) in skip:
                 continue
             leaves = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
             parts = []
@@ -117,8 +119,9 @@ def _gather_tp(param: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=param.partition_dim)
 
 
-def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of ``(HF name, full tensor)`` on global rank 0 (see the module docstring); collective."""
+def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    """``(stage, [(HF name, full tensor), ...])`` buckets on global rank 0 (see the module docstring);
+    collective."""
     from megatron.core import parallel_state
 
     if bucket_bytes < 1:
@@ -163,7 +166,8 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[list[tuple
                     bucket.append((name, t))
                     size += t.numel() * t.element_size()
                     if size >= bucket_bytes:
-                        yield bucket
+                        yield stage, bucket
                         bucket, size = [], 0
-    if bucket:
-        yield bucket
+        if bucket:
+            yield stage, bucket
+            bucket, size = [], 0
