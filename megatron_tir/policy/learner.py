@@ -65,10 +65,10 @@ class ModelSource:
 
 
 def resolve_source(model: str) -> ModelSource:
-    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.model_sources import is_checkpoint, resolve_model
 
     path = Path(model)
-    if path.is_dir() and not (path / "config.json").is_file():  # a checkpoint or a run directory
+    if is_checkpoint(path):  # a policy checkpoint, a step or a run directory: its weights, by sharded keys
         ckpt = resolve_checkpoint(path)
         meta = read_meta(ckpt)
         return ModelSource(spec=meta.spec, hf_config=meta.hf_config, hf_files=ckpt / HF_FILES_DIR, checkpoint=ckpt)

@@ -34,11 +34,12 @@ _LAYERS = "decoder.layers."
 
 
 def _global_name(local: str, layer_offset: int, spec: ModelSpec) -> str:
-    """A stage's state-dict name (local layer index) -> the key map's name (global layer index);
-    a tied output layer (on the last stage) is the embedding."""
+    """A stage's state-dict name (local layer index; local or TE layer spec) -> the key map's
+    name (global layer index, local spec's names); a tied output layer (on the last stage) is
+    the embedding."""
     if local.startswith(_LAYERS):
         i, rest = local.removeprefix(_LAYERS).split(".", 1)
-        return f"{_LAYERS}{int(i) + layer_offset}.{rest}"
+        return keymap.local_name(f"{_LAYERS}{int(i) + layer_offset}.{rest}")
     if local == "output_layer.weight" and spec.tie_word_embeddings:
         return "embedding.word_embeddings.weight"
     return local

@@ -27,6 +27,7 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.critic_update import CriticConfig
 from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
@@ -103,8 +104,9 @@ class PPOConfig:
     old_logprobs: str = "learner"  # learner | engine
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}")
+        if self.advantage not in ADVANTAGE_ESTIMATORS and self.advantage != "gae":
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, gae, got "
+                             f"{self.advantage!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
         for name in ("epochs", "mini_batches"):
@@ -168,10 +170,14 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # trainer.ppo.advantage=gae only
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
+            raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
+                             "trainer.loss.kl_coef is the KL loss for the other estimators")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
