@@ -27,6 +27,7 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.batch import SAMPLING_STRATEGIES
 from megatron_tir.train.critic_update import CriticConfig
 from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
@@ -43,6 +44,7 @@ class DataConfig:
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
     eval_temperature: float | None = None  # None: the rollout temperature
+    eval_top_p: float | None = None  # None: the rollout top_p (SimpleTIR evaluates at 0.7)
     shuffle_seed: int = 0
     arithmetic_digits: int = 4  # operand digits of the generated task
     arithmetic_terms: int = 2
@@ -50,6 +52,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.eval_size < 0 or self.eval_samples < 1:
             raise ValueError("eval_size must be >= 0 and eval_samples >= 1")
+        if self.eval_top_p is not None and not 0 < self.eval_top_p <= 1:
+            raise ValueError(f"eval_top_p must be in (0, 1] (or null), got {self.eval_top_p}")
         if self.arithmetic_digits < 1 or self.arithmetic_terms < 2:
             raise ValueError("arithmetic_digits must be >= 1 and arithmetic_terms >= 2")
 
@@ -60,8 +64,13 @@ class SamplingConfig:
     prompts_per_step: int = 8  # the train batch, in prompts (groups)
     sample_prompts: int | None = None  # prompts sampled per round (dynamic sampling); None: prompts_per_step
     max_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+    # "rounds": keep the first prompts_per_step passing groups of up to max_rounds rounds;
+    # "oversample": one round, a random pick, a short batch filled by repeats (SimpleTIR's release)
+    strategy: str = "rounds"
 
     def __post_init__(self) -> None:
+        if self.strategy not in SAMPLING_STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(SAMPLING_STRATEGIES)}, got {self.strategy!r}")
         for name in ("prompts_per_step", "max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -80,7 +89,8 @@ class FilterConfig:
     drop_zero_std: bool = True  # group filter: groups whose rewards all agree carry no signal
     accuracy_lo: float = 0.0  # group filter: keep groups with accuracy in [lo, hi]
     accuracy_hi: float = 1.0
-    overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep"
+    overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep" | "drop" (no loss, not in the statistics)
+    min_group_rows: int = 1  # group filter: groups with fewer counted rows are dropped (release: 4 with "drop")
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
     high_ratio_bound: float = 5.0  # mode high_ratio_filter: tokens with ratio above it get no loss
 
@@ -89,6 +99,8 @@ class FilterConfig:
             raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
         if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
             raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
+        if self.min_group_rows < 1:
+            raise ValueError(f"min_group_rows must be >= 1, got {self.min_group_rows}")
         if not 0 <= self.low_prob_fraction < 1:
             raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
         if not self.high_ratio_bound > 1:
