@@ -96,7 +96,10 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                                               tc.progress)
                 got = worker.runner.run(collect_groups(one_round, want=tc.sampling.prompts_per_step,
                                                        max_rounds=tc.sampling.max_rounds, drop_zero_std=tc.filters.drop_zero_std,
-                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi))
+                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi,
+                                                       overlong=tc.filters.overlong,
+                                                       min_rows=tc.filters.min_group_rows,
+                                                       strategy=tc.sampling.strategy, seed=tc.seed * 100003 + step))
                 metrics |= rollout_metrics(got.sampled)
                 observer.sampled(step, got)
                 metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
@@ -218,7 +221,9 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
 def evaluate(cfg: TrainConfig, worker, problems, rollout_cfg, observe=None) -> dict[str, float]:
     """Held-out reward and TIR behaviour with the current weights (rank 0); ``observe(groups)`` sees the groups."""
     T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rollout_cfg.temperature
-    ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
+    top_p = cfg.data.eval_top_p if cfg.data.eval_top_p is not None else rollout_cfg.top_p
+    ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
+                               seed=cfg.trainer.seed + 1)
     t0 = time.perf_counter()
     groups = worker.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
     if observe is not None:
