@@ -137,6 +137,14 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
     return producers
 
 
+def _counted(produce, bar):
+    def counted():
+        tensor = produce()
+        bar.update(1)
+        return tensor
+    return counted
+
+
 def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
     """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
     from megatron_tir.policy.checkpoint.dist_writer import save_sharded
@@ -152,9 +160,14 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
         t0 = time.perf_counter()
         sharded = _model_templates(spec)
         producers = _tensor_producers(sharded, plans, reader, spec)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(producers), desc="hf-to-megatron", unit="tensor", disable=None, leave=False)  # TTY only
+        producers = {k: _counted(fn, bar) for k, fn in producers.items()}
         try:
             save_sharded(sharded, tmp, producers=producers, copy_sources=reader.copy_sources())
         finally:
+            bar.close()
             reader.close()
         del sharded
         log.info("read + converted + saved %d tensors in %.2f s", len(plans), time.perf_counter() - t0)
