@@ -69,6 +69,17 @@ def read_dump(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """A dump (``.jsonl.gz``) or an ``eval --out`` file (``.jsonl``); ValueError on anything else."""
+    path = Path(path)
+    try:
+        if path.name.endswith(".gz"):
+            return read_dump(path)
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
+
+
 def _void_reason(t: Trajectory) -> str:
     return f"void: {t.void_reason or 'a void turn'}"
 

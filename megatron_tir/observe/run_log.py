@@ -30,7 +30,8 @@ class StepObserver:
     def __init__(self, cfg, run_dir: Path, *, tokenizer, sink) -> None:
         self.cfg, self.run_dir, self.tokenizer, self.sink = cfg, Path(run_dir), tokenizer, sink
         self.log_cfg = cfg.trainer.log
-        self.spikes = GradNormSpikes(window=self.log_cfg.moving_average, factor=self.log_cfg.spike_factor)
+        self.spikes = GradNormSpikes(window=self.log_cfg.moving_average, factor=self.log_cfg.spike_factor,
+                                     min_history=min(3, self.log_cfg.moving_average))
         self._records: list[dict] = []
         self._gen_tokens = 0
         self._t_end = time.perf_counter()

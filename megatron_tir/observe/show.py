@@ -63,8 +63,10 @@ def render(rec: dict, *, color: bool = False, max_question_chars: int = 400) -> 
     """One trajectory as text (see the module docstring)."""
     upd = rec.get("update")
     trained = upd is None or bool(upd.get("in_loss"))  # held-out rows: the model's text in plain style
-    head = [f"step {rec.get('step', '?')}", rec.get("split", "?"), f"group {rec['group_id']} sample {rec['sample_index']}",
-            f"status {rec.get('status')}", f"reward {rec.get('reward')}"]
+    head = [f"step {rec['step']}"] if "step" in rec else []  # an `eval --out` record has no step or split
+    head += [rec["split"]] if rec.get("split") else []
+    head += [f"group {rec['group_id']} sample {rec['sample_index']}", f"status {rec.get('status')}",
+             f"reward {rec.get('reward')}"]
     if upd is not None:
         if upd.get("in_loss"):
             adv = upd.get("advantage")
