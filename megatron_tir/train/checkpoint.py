@@ -5,6 +5,7 @@ Layout of ``RUN_DIR/checkpoints``::
     step_N/learner/          Learner.save (model + optimizer + scheduler; every rank writes its part)
     step_N/trainer_state.json  step, data position, metrics pointer, override history, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
+    step_N/manifest.json     size and CRC-32 of every file above (``megatron_tir.policy.checkpoint.manifest``)
     latest                   a text file naming the newest complete step directory
 
 A save writes everything into ``.tmp-step_N`` and makes it visible with one ``rename`` after
@@ -12,6 +13,13 @@ every file and directory is fsynced; ``latest`` is then replaced atomically (tem
 fsync, ``os.replace``). A process killed at any moment leaves the previous checkpoint
 complete and ``latest`` naming it; leftover ``.tmp-*`` directories are removed by the next
 save. ``keep_last`` newest checkpoints are kept, older ones pruned.
+
+Integrity: the dist writer hashes the learner's files while writing them and the manifest
+is written before the rename; a model with non-finite weights is never saved. ``load``
+verifies every byte (rank 0) and falls back to the newest intact checkpoint, warning with
+the damaged file's name (``strict``: it refuses instead). A save that runs out of disk
+raises one line with the space it needs, after removing its partial directory
+(``checkpoint_integrity``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from megatron_tir.policy.checkpoint import manifest
+from megatron_tir.train import checkpoint_integrity as integrity
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +95,24 @@ def _broadcast_path(path: Path | None) -> Path | None:
     return None if obj[0] is None else Path(obj[0])
 
 
+def _broadcast_obj(obj):
+    """Rank 0's ``obj`` (picklable) on every rank."""
+    if _rank()[1] == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_dicts(mine: dict) -> dict:
+    """The union of every rank's ``mine``, on every rank."""
+    if _rank()[1] == 1:
+        return dict(mine)
+    parts: list = [None] * _rank()[1]
+    torch.distributed.all_gather_object(parts, dict(mine))
+    return {k: v for part in parts for k, v in part.items()}
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
@@ -112,22 +141,41 @@ class RunCheckpoints:
             raise ValueError(f"{pointer} names {path.name}, which is not a complete checkpoint")
         return path
 
-    def save(self, learner, state: TrainerState) -> Path:
+    def save(self, learner, state: TrainerState) -> Path | None:
+        """``step_N`` with a manifest of its files; None (nothing written) when the weights are not finite."""
         rank, _ = _rank()
         final = self.dir / f"step_{state.step}"
         tmp = self.dir / f".tmp-step_{state.step}"
+        finite = getattr(learner, "weights_finite", None)
+        if finite is not None and not finite():  # collective; a non-finite model is never saved
+            log.error("step %d: the weights are not finite: no checkpoint saved (the newest stays %s)",
+                      state.step, (self.latest() or self.dir).name)
+            return None
+        previous = next(iter(integrity.candidates(self.dir)), None) if rank == 0 else None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for old in self.dir.glob(".tmp-*"):
                 shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir()
         _barrier()
-        learner.save(tmp / "learner")
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-        _barrier()
+        try:
+            with manifest.recording() as recorded:  # the dist writer hashes what it writes
+                learner.save(tmp / "learner")
+                torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+            recorded = _gather_dicts(recorded)
+            _barrier()
+            if rank == 0:
+                (tmp / STATE).write_text(json.dumps(state.to_json(), indent=1))
+                manifest.write_manifest(tmp, recorded)
+                _fsync_tree(tmp)
+        except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+            if rank == 0:
+                full = integrity.disk_full(exc, partial=tmp, target=final, previous=previous)
+                shutil.rmtree(tmp, ignore_errors=True)
+                if full is not None:
+                    raise full from None
+            raise
         if rank == 0:
-            (tmp / STATE).write_text(json.dumps(state.to_json(), indent=1))
-            _fsync_tree(tmp)
             if final.exists():  # the same step saved again (a rerun after a resume): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -150,13 +198,26 @@ class RunCheckpoints:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, learner, path: Path | None = None) -> TrainerState:
-        """Restore ``learner`` and this rank's RNG from ``path`` (default: latest); the trainer state."""
+    def load(self, learner, path: Path | None = None, *, strict: bool = False) -> TrainerState:
+        """Restore ``learner`` and this rank's RNG from ``path`` (default: the newest intact checkpoint:
+        a damaged one -- against its manifest, or holding non-finite weights -- is skipped with a
+        warning naming the file, or refused when ``strict``); the trainer state."""
         rank, _ = _rank()
-        path = _broadcast_path((path or self.latest()) if rank == 0 else None)
-        if path is None or not (path / STATE).is_file():
+        found = [path] if path is not None else integrity.candidates(self.dir)
+        if not found or not (found[0] / STATE).is_file():
             raise ValueError(f"no complete checkpoint in {self.dir}")
-        learner.load(path / "learner")
+        for i, path in enumerate(found):
+            why = _broadcast_obj(integrity.problem(path, deep=True) if rank == 0 else None)  # rank 0 reads it once
+            if why is None:
+                learner.load(path / "learner")
+                finite = getattr(learner, "weights_finite", None)
+                if finite is not None and not finite():
+                    why = f"checkpoint {path} holds non-finite weights"
+            if why is None:
+                break
+            integrity.refuse(why, strict=strict)
+            if i == len(found) - 1:
+                raise ValueError(f"no intact checkpoint in {self.dir} (the oldest: {why})")
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():  # absent when the world size changed: RNG streams start fresh
             set_rng_state(torch.load(rng, weights_only=False))
