@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_tir.finite import check_finite
 from megatron_tir.eval.metrics import INFRA_STATUSES, EvalMetrics, compute_metrics
+from megatron_tir.observe.dumps import trajectory_record
 from megatron_tir.rollout.batch import Group, flatten
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import (
@@ -125,7 +126,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
         if progress:
             from tqdm import tqdm
 
-            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {cfg.data}", unit="traj"))
+            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {cfg.data}", unit="traj",
+                                           disable=None))  # a bar on a terminal only
         seen = {"n": 0, "reward": 0.0, "void": 0}
 
         def on_done(traj) -> None:
@@ -133,9 +135,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
             seen["reward"] += traj.reward or 0.0
             seen["void"] += traj.has_void_turn
             if sink is not None:
-                rec = traj.to_json()
-                rec["prompt"] = tokenizer.decode(traj.prompt_ids, skip_special_tokens=False)
-                rec["response"] = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+                rec = trajectory_record(traj, tokenizer)  # the record format of training's rollout dumps
                 sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 sink.flush()
             if bar is not None:

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,7 +95,7 @@ class WandbTracker:
         import wandb
 
         id_path = run_dir / self.ID_FILE
-        run_id = id_path.read_text().strip() if id_path.is_file() else wandb.util.generate_id()
+        run_id = id_path.read_text().strip() if id_path.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
         id_path.write_text(run_id)
         self._wandb = wandb
         self._run = wandb.init(project=cfg.project, name=cfg.run_name or run_dir.name, id=run_id, resume="allow",

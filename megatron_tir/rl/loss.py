@@ -1,5 +1,6 @@
 """The policy loss: the clipped surrogate (clip-low / clip-high, dual clip), KL and entropy terms,
-the two aggregations, and the per-token loss function handed to ``Learner.train_step``.
+the two aggregations, and the per-token loss function that ``megatron_tir.policy.losses.TokenLoss``
+hands to ``Learner.train_step``.
 
 Per token, with ratio ``rho = exp(logp - logp_old)`` and advantage ``A``::
 
@@ -134,7 +135,7 @@ class PolicyLoss:
             metrics["kl"] = kl_BT.detach()
         if cfg.entropy_coef > 0:
             if entropy_BT is None:
-                raise ValueError("entropy_coef > 0 needs the entropy (train_step with_entropy=True)")
+                raise ValueError("entropy_coef > 0 needs the entropy (TokenLoss with_entropy=True)")
             loss_BT = loss_BT - cfg.entropy_coef * entropy_BT
         if entropy_BT is not None:
             metrics["entropy"] = entropy_BT.detach()

@@ -24,6 +24,7 @@ class RolloutTensors:
     attention_mask_BT: torch.Tensor
     loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in build_update
     engine_logprobs_BT: torch.Tensor
+    versions_BT: torch.Tensor  # weight version that sampled each loss token (collate); -1 elsewhere
     rewards_B: torch.Tensor
     group_index_B: torch.Tensor
     void_B: torch.Tensor
@@ -44,7 +45,7 @@ def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
     trajs = [t for g in groups for t in g.trajectories]
     return RolloutTensors(
         tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-        engine_logprobs_BT=rb.old_logprobs_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
+        engine_logprobs_BT=rb.old_logprobs_BT, versions_BT=rb.versions_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
         void_B=rb.void_B,
         infra_B=torch.tensor([t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED) for t in trajs]),
         truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]),

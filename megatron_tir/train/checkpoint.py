@@ -1,8 +1,11 @@
-"""Run checkpoints: the learner's dist checkpoint plus the trainer's state, saved atomically.
+"""Run checkpoints: each named learner's checkpoint plus the trainer's state, saved atomically.
 
-Layout of ``RUN_DIR/checkpoints``::
+Layout of ``RUN_DIR/checkpoints`` (documented once, with the policy checkpoint's own layout,
+in ``megatron_tir.policy.checkpoint.layout``)::
 
-    step_N/learner/          Learner.save (model + optimizer + scheduler; every rank writes its part)
+    step_N/policy/           the policy learner: a policy checkpoint (``learner_io.save_learner``:
+                             model + optimizer + scheduler; every rank writes its part), the layout
+                             ``tir-ckpt`` reads; later learners (``critic``) sit beside it by name
     step_N/trainer_state.json  step, data position, metrics pointer, override history, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
     step_N/manifest.json     size and CRC-32 of every file above (``megatron_tir.policy.checkpoint.manifest``)
@@ -14,7 +17,7 @@ fsync, ``os.replace``). A process killed at any moment leaves the previous check
 complete and ``latest`` naming it; leftover ``.tmp-*`` directories are removed by the next
 save. ``keep_last`` newest checkpoints are kept, older ones pruned.
 
-Integrity: the dist writer hashes the learner's files while writing them and the manifest
+Integrity: the dist writer hashes the learners' files while writing them and the manifest
 is written before the rename; a model with non-finite weights is never saved. ``load``
 verifies every byte (rank 0) and falls back to the newest intact checkpoint, warning with
 the damaged file's name (``strict``: it refuses instead). A save that runs out of disk
@@ -28,19 +31,22 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megatron_tir.policy.checkpoint import manifest
+from megatron_tir.policy.checkpoint.layout import CHECKPOINTS_DIR, LATEST, STEP_PREFIX, latest_step
+from megatron_tir.policy.checkpoint.layout import TRAINER_STATE as STATE
 from megatron_tir.train import checkpoint_integrity as integrity
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest"
-STATE = "trainer_state.json"
+_LEARNER_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,15 +92,6 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _broadcast_path(path: Path | None) -> Path | None:
-    """Rank 0's ``path`` on every rank."""
-    if _rank()[1] == 1:
-        return path
-    obj = [None if path is None else str(path)]
-    torch.distributed.broadcast_object_list(obj, src=0)
-    return None if obj[0] is None else Path(obj[0])
-
-
 def _broadcast_obj(obj):
     """Rank 0's ``obj`` (picklable) on every rank."""
     if _rank()[1] == 1:
@@ -122,35 +119,50 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-class RunCheckpoints:
-    """Saves and finds the run checkpoints of ``run_dir`` (every rank calls save/load together)."""
+def _check_learners(learners: Mapping) -> None:
+    if not isinstance(learners, Mapping) or not learners:
+        raise ValueError("run checkpoints take the learners by name, e.g. {'policy': learner}")
+    for name in learners:
+        if not isinstance(name, str) or not _LEARNER_NAME.fullmatch(name):
+            raise ValueError(f"learner name {name!r} must be lower-case letters, digits and _")
 
-    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int) -> None:
+
+class RunCheckpoints:
+    """Saves and finds the run checkpoints of ``run_dir`` (every rank calls save/load together).
+
+    ``save_learner(learner, dir)`` / ``load_learner(learner, dir)`` write and read one learner's
+    checkpoint; by default ``megatron_tir.policy.checkpoint.learner_io``'s."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int,
+                 save_learner: Callable | None = None, load_learner: Callable | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.keep_last = keep_last
+        if save_learner is None or load_learner is None:
+            from megatron_tir.policy.checkpoint import learner_io
+
+            save_learner = save_learner or learner_io.save_learner
+            load_learner = load_learner or learner_io.load_learner
+        self._save_learner, self._load_learner = save_learner, load_learner
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory, or None."""
-        pointer = self.dir / LATEST
-        if not pointer.is_file():
-            return None
-        path = self.dir / pointer.read_text().strip()
-        if not (path / STATE).is_file():
-            raise ValueError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-        return path
+        return latest_step(self.dir.parent)
 
-    def save(self, learner, state: TrainerState) -> Path | None:
-        """``step_N`` with a manifest of its files; None (nothing written) when the weights are not finite."""
+    def save(self, learners: Mapping, state: TrainerState) -> Path | None:
+        """Save every learner of ``learners`` (name -> learner) and ``state`` as ``step_N``, with a manifest
+        of its files; None (nothing written) when a learner's weights are not finite."""
+        _check_learners(learners)
         rank, _ = _rank()
-        final = self.dir / f"step_{state.step}"
-        tmp = self.dir / f".tmp-step_{state.step}"
-        finite = getattr(learner, "weights_finite", None)
-        if finite is not None and not finite():  # collective; a non-finite model is never saved
-            log.error("step %d: the weights are not finite: no checkpoint saved (the newest stays %s)",
-                      state.step, (self.latest() or self.dir).name)
-            return None
+        final = self.dir / f"{STEP_PREFIX}{state.step}"
+        tmp = self.dir / f".tmp-{STEP_PREFIX}{state.step}"
+        for name, learner in learners.items():
+            finite = getattr(learner, "weights_finite", None)
+            if finite is not None and not finite():  # collective; a non-finite model is never saved
+                log.error("step %d: the weights of %s are not finite: no checkpoint saved (the newest stays %s)",
+                          state.step, name, (self.latest() or self.dir).name)
+                return None
         previous = next(iter(integrity.candidates(self.dir)), None) if rank == 0 else None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +172,8 @@ class RunCheckpoints:
         _barrier()
         try:
             with manifest.recording() as recorded:  # the dist writer hashes what it writes
-                learner.save(tmp / "learner")
+                for name, learner in learners.items():
+                    self._save_learner(learner, tmp / name)
                 torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
             recorded = _gather_dicts(recorded)
             _barrier()
@@ -193,15 +206,17 @@ class RunCheckpoints:
         return final
 
     def _prune(self, *, keep: Path) -> None:
-        steps = sorted((p for p in self.dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+        steps = sorted((p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir()),
+                       key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
         for old in steps[:-self.keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, learner, path: Path | None = None, *, strict: bool = False) -> TrainerState:
-        """Restore ``learner`` and this rank's RNG from ``path`` (default: the newest intact checkpoint:
-        a damaged one -- against its manifest, or holding non-finite weights -- is skipped with a
-        warning naming the file, or refused when ``strict``); the trainer state."""
+    def load(self, learners: Mapping, path: Path | None = None, *, strict: bool = False) -> TrainerState:
+        """Restore each of ``learners`` (by name) and this rank's RNG from ``path`` (default: the newest
+        intact checkpoint: a damaged one -- against its manifest, or holding non-finite weights -- is
+        skipped with a warning naming the file, or refused when ``strict``); the trainer state."""
+        _check_learners(learners)
         rank, _ = _rank()
         found = [path] if path is not None else integrity.candidates(self.dir)
         if not found or not (found[0] / STATE).is_file():
@@ -209,10 +224,15 @@ class RunCheckpoints:
         for i, path in enumerate(found):
             why = _broadcast_obj(integrity.problem(path, deep=True) if rank == 0 else None)  # rank 0 reads it once
             if why is None:
-                learner.load(path / "learner")
-                finite = getattr(learner, "weights_finite", None)
-                if finite is not None and not finite():
-                    why = f"checkpoint {path} holds non-finite weights"
+                missing = [name for name in learners if not (path / name).is_dir()]
+                if missing:
+                    raise ValueError(f"checkpoint {path} has no learner {missing[0]!r} (it holds: "
+                                     f"{', '.join(sorted(p.name for p in path.iterdir() if p.is_dir()))})")
+                for name, learner in learners.items():
+                    self._load_learner(learner, path / name)
+                    finite = getattr(learner, "weights_finite", None)
+                    if why is None and finite is not None and not finite():
+                        why = f"checkpoint {path}: {name} holds non-finite weights"
             if why is None:
                 break
             integrity.refuse(why, strict=strict)

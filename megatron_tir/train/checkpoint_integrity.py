@@ -23,11 +23,10 @@ import shutil
 from pathlib import Path
 
 from megatron_tir.policy.checkpoint import manifest
+from megatron_tir.policy.checkpoint.layout import STEP_PREFIX
+from megatron_tir.policy.checkpoint.layout import TRAINER_STATE as STATE
 
 log = logging.getLogger(__name__)
-
-STATE = "trainer_state.json"
-STEP_PREFIX = "step_"
 
 
 class DiskFullError(ValueError):

@@ -20,9 +20,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.finite import NonFiniteTraining
 from megatron_tir.rl import MODES, PolicyLoss
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
@@ -105,7 +109,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
-                worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+                worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
         else:
             metrics["train/skipped_empty_batch"] = 1.0
             log.warning("step %d: no group passed the filters; no update", step)
@@ -125,7 +129,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
-            ckpts.save(learner, state)
+            ckpts.save({POLICY: learner}, state)
             pending_ckpt_s = time.perf_counter() - t0
     if sink is not None:
         observer.close()
@@ -167,6 +171,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
+    token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
     results = []
     with _timed(timings, "train"):
         if update.batch.tokens_BT.shape[0]:
@@ -174,9 +179,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             with _phase_bar(tc.progress, "update", n_opt) as bar:
                 for _ in range(tc.ppo.epochs):
                     for mb in mini_batches(update, tc.ppo.mini_batches):
-                        results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                          temperature=temperature,
-                                                          with_entropy=True))  # entropy: always a diagnostic
+                        results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
                         bar.update(1)
     max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
     if max_ratio is None:
@@ -196,7 +199,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
-    }
+    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT)
     if results:
         out["train/loss"] = sum(r.loss for r in results) / len(results)
         out["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)

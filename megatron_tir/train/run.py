@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.rollout.sync import drain
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
@@ -29,10 +31,10 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     try:
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
-        reference = Learner(cfg.learner) if cfg.trainer.loss.kl_coef > 0 else None
+        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 else None
         if resume:
             loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
-                learner, strict=cfg.trainer.checkpoint.strict_resume)
+                {POLICY: learner}, strict=cfg.trainer.checkpoint.strict_resume)
             if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
                 state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
                                                       for o in state.overrides[len(loaded.overrides):]]
@@ -46,7 +48,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         if resume:  # the engines start from the base weights: give them the policy's
-            worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+            worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
         return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)
     finally:
         if worker is not None:

@@ -32,7 +32,7 @@ def make(turns: list[dict], *, status=FinishStatus.COMPLETED, reward: float = 1.
     for k, spec in enumerate(turns):
         lps = logprobs_per_turn[k] if logprobs_per_turn else [-0.5, -0.5, -0.5]
         start = len(t.response_ids)
-        t.append_model_tokens([100 + k] * len(lps), lps)
+        t.append_model_tokens([100 + k] * len(lps), lps, [0] * len(lps))
         fb = feedback_tokens if spec.get("tool") is not None else 0
         if fb:
             t.append_feedback_tokens([7] * fb)

@@ -55,3 +55,17 @@ def test_rates_count_correct_trajectories_only():
     assert r["pattern_error_correction"] == pytest.approx(1 / 2)
     assert r["pattern_progressive_reasoning"] == 0.0 and r["pattern_cross_checking"] == 0.0
     assert all(math.isnan(v) for v in pattern_rates([wrong_fixed]).values())
+
+
+def test_eval_report_prints_the_pattern_rates():
+    from megatron_tir.eval.metrics import compute_metrics
+    from megatron_tir.rollout.batch import Group
+
+    fixed = make([code_turn(0, "print(1/0)", stderr="E", status=Status.ERROR), code_turn(1, "print(2)", stdout="2")],
+                 reward=1.0, sample=0)
+    plain = make([answer_turn(0, "\\boxed{2}", "2")], reward=1.0, sample=1)
+    m = compute_metrics([Group(group_id=0, problem=None, trajectories=[fixed, plain])], k=2)
+    assert m.diagnostics["pattern_error_correction"] == pytest.approx(0.5)
+    assert ("reasoning patterns of correct trajectories: error_correction: 50.0%   progressive_reasoning: 0.0%   "
+            "cross_checking: 0.0%") in m.lines()
+    assert any(line.startswith("ZeroTIR: avg_repeat_score ") and "code_proportion 50.0%" in line for line in m.lines())

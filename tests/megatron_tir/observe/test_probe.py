@@ -45,6 +45,7 @@ def test_per_turn_entropy_and_ratio_of_a_learner_step_equal_transformers(learner
 
     from megatron_tir.model_sources import resolve_model
     from megatron_tir.policy.learner_config import TrainBatch
+    from megatron_tir.policy.losses import TokenLoss
 
     g = torch.Generator().manual_seed(0)
     B, T = 3, 14
@@ -68,7 +69,7 @@ def test_per_turn_entropy_and_ratio_of_a_learner_step_equal_transformers(learner
     ent_BT[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]  # column t: the distribution that predicted t
     lp_BT[:, 1:] = logp_all[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     probe = TurnProbe(PolicyLoss(LossConfig()), n_turns=2)
-    result = learner.train_step(batch, probe, with_entropy=True)
+    result = learner.train_step(batch, TokenLoss(token_loss=probe, with_entropy=True))
     out = probe.finish(result.metrics)
     for k in (0, 1):
         sel = (turn == k) & attn

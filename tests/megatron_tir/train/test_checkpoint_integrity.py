@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "policy"))
 from learner_testing import make_batch, ppo_loss  # noqa: E402
 
 # each file kind of a run checkpoint (relative to step_N)
-FILE_KINDS = ["learner/__0_0.distcp", "learner/.metadata", "learner/common.pt", "learner/metadata.json",
-              "learner/tir_ckpt.json", "learner/hf/config.json", "trainer_state.json", "rng_rank0.pt"]
+FILE_KINDS = ["policy/__0_0.distcp", "policy/.metadata", "policy/common.pt", "policy/metadata.json",
+              "policy/tir_ckpt.json", "policy/hf/config.json", "trainer_state.json", "rng_rank0.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def saved_run(parallel_1x1, tmp_path_factory):
     weights = {}
     for step in (1, 2):
         assert not learner.train_step(make_batch(step), ppo_loss).skipped
-        ck.save(learner, TrainerState(step=step, data_position=4 * step))
+        ck.save({"policy": learner}, TrainerState(step=step, data_position=4 * step))
         weights[step] = _weights(learner)
     assert any(not torch.equal(weights[1][n], weights[2][n]) for n in weights[1])
     return run, weights, learner
@@ -101,7 +101,7 @@ def test_the_manifest_lists_every_file_and_hashes_the_big_ones_while_writing(sav
     reread: list[str] = []
     real = manifest.file_crc32
     monkeypatch.setattr(manifest, "file_crc32", lambda p: reread.append(Path(p).name) or real(p))
-    RunCheckpoints(tmp_path, keep_last=1).save(learner, TrainerState(step=3))
+    RunCheckpoints(tmp_path, keep_last=1).save({"policy": learner}, TrainerState(step=3))
     assert reread and not [name for name in reread if name.endswith(".distcp")], reread
 
 
@@ -112,7 +112,7 @@ def test_a_damaged_file_makes_resume_fall_back_naming_it(damaged_copy, kind, how
     _damage(run / "checkpoints" / "step_2" / kind, how)
     fresh = _learner()
     with caplog.at_level(logging.WARNING):
-        state = RunCheckpoints(run, keep_last=2).load(fresh)
+        state = RunCheckpoints(run, keep_last=2).load({"policy": fresh})
     assert state.step == 1 and state.data_position == 4
     got = _weights(fresh)
     assert all(torch.equal(got[n], weights[1][n]) for n in got)
@@ -124,22 +124,22 @@ def test_strict_resume_refuses_a_damaged_checkpoint_in_one_line(damaged_copy, ki
     run, _, _ = damaged_copy
     _damage(run / "checkpoints" / "step_2" / kind, "corrupt")
     with pytest.raises(ValueError) as info:
-        RunCheckpoints(run, keep_last=2).load(_learner(), strict=True)
+        RunCheckpoints(run, keep_last=2).load({"policy": _learner()}, strict=True)
     text = str(info.value)
     assert f"step_2: {kind} is damaged" in text and "strict_resume" in text and "\n" not in text
 
 
-@pytest.mark.parametrize("kind", [k for k in FILE_KINDS if k.startswith("learner/")])
+@pytest.mark.parametrize("kind", [k for k in FILE_KINDS if k.startswith("policy/")])
 def test_tir_ckpt_refuses_a_damaged_checkpoint_in_one_line(damaged_copy, kind, tmp_path, capsys):
     from checkpoints_tools.cli import main
 
     run, _, _ = damaged_copy
     _damage(run / "checkpoints" / "step_2" / kind, "truncate")
-    code = main(["megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2" / "learner"),
+    code = main(["megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2" / "policy"),
                  "--out", str(tmp_path / "hf")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("tir-ckpt: error: checkpoint ") and f"{kind.removeprefix('learner/')} is truncated" \
+    assert lines[0].startswith("tir-ckpt: error: checkpoint ") and f"{kind.removeprefix('policy/')} is truncated" \
         in lines[0], lines[0]
     assert not (tmp_path / "hf").exists()
 
@@ -148,7 +148,7 @@ def test_an_intact_checkpoint_passes_tir_ckpt(saved_run, tmp_path):
     run, _, _ = saved_run
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run([sys.executable, "-m", "checkpoints_tools.cli", "megatron-to-hf", "--ckpt",
-                           str(run / "checkpoints" / "step_2" / "learner"), "--out", str(tmp_path / "hf")],
+                           str(run / "checkpoints" / "step_2" / "policy"), "--out", str(tmp_path / "hf")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "hf" / "config.json").is_file()
@@ -156,11 +156,11 @@ def test_an_intact_checkpoint_passes_tir_ckpt(saved_run, tmp_path):
 
 def test_the_shallow_pick_skips_a_truncated_newest_checkpoint(damaged_copy, caplog):
     run, _, _ = damaged_copy
-    _damage(run / "checkpoints" / "step_2" / "learner/__0_0.distcp", "truncate")
+    _damage(run / "checkpoints" / "step_2" / "policy/__0_0.distcp", "truncate")
     with caplog.at_level(logging.WARNING):
         assert integrity.pick(run / "checkpoints", strict=False, deep=False).name == "step_1"
-    assert "step_2: learner/__0_0.distcp is truncated" in caplog.text
-    with pytest.raises(ValueError, match="step_2: learner/__0_0.distcp is truncated.*strict_resume"):
+    assert "step_2: policy/__0_0.distcp is truncated" in caplog.text
+    with pytest.raises(ValueError, match="step_2: policy/__0_0.distcp is truncated.*strict_resume"):
         integrity.pick(run / "checkpoints", strict=True, deep=False)
 
 
@@ -169,18 +169,18 @@ def test_a_non_finite_weight_after_a_step_is_never_saved(parallel_1x1, tmp_path,
     ck = RunCheckpoints(tmp_path, keep_last=3)
     result = learner.train_step(make_batch(1), ppo_loss)
     assert result.weights_finite and learner.weights_finite()
-    ck.save(learner, TrainerState(step=1))
+    ck.save({"policy": learner}, TrainerState(step=1))
     with torch.no_grad():
         next(learner._model.module.parameters()).view(-1)[3] = float("nan")  # injected after the step
     assert not learner.weights_finite()
     with caplog.at_level(logging.ERROR):
-        assert ck.save(learner, TrainerState(step=2)) is None
-    assert "step 2: the weights are not finite: no checkpoint saved (the newest stays step_1)" in caplog.text
+        assert ck.save({"policy": learner}, TrainerState(step=2)) is None
+    assert "step 2: the weights of policy are not finite: no checkpoint saved (the newest stays step_1)" in caplog.text
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
     # the next step keeps the model non-finite: its gradients are, so it is skipped, and it says so
     after = learner.train_step(make_batch(2), ppo_loss)
     assert after.skipped and not after.weights_finite
-    assert ck.save(learner, TrainerState(step=3)) is None and ck.latest().name == "step_1"
+    assert ck.save({"policy": learner}, TrainerState(step=3)) is None and ck.latest().name == "step_1"
 
 
 def test_consecutive_non_finite_steps_stop_the_run_in_one_line():
@@ -212,13 +212,13 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoin
     learner = _learner()
     learner.train_step(make_batch(1), ppo_loss)
     ck = RunCheckpoints(small_tmpfs, keep_last=2)
-    first = ck.save(learner, TrainerState(step=1, data_position=4))
+    first = ck.save({"policy": learner}, TrainerState(step=1, data_position=4))
     size = integrity.tree_bytes(first)
     # room for one checkpoint and a half: the second save runs out mid-write
     subprocess.run(["mount", "-o", f"remount,size={int(size * 1.5) + 65536}", str(small_tmpfs)], check=True)
     learner.train_step(make_batch(2), ppo_loss)
     with pytest.raises(integrity.DiskFullError) as info:
-        ck.save(learner, TrainerState(step=2, data_position=8))
+        ck.save({"policy": learner}, TrainerState(step=2, data_position=8))
     text = str(info.value)
     assert "\n" not in text and "no space left on device for checkpoint" in text
     assert str(small_tmpfs / "checkpoints" / "step_2") in text and "(the size of step_1)" in text
@@ -226,8 +226,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoin
     assert integrity.problem(first, deep=True) is None
     # space freed: the save and a resume work
     subprocess.run(["mount", "-o", "remount,size=256m", str(small_tmpfs)], check=True)
-    assert ck.save(learner, TrainerState(step=2, data_position=8)).name == "step_2"
+    assert ck.save({"policy": learner}, TrainerState(step=2, data_position=8)).name == "step_2"
     expected = _weights(learner)
     fresh = _learner()
-    assert ck.load(fresh).step == 2
+    assert ck.load({"policy": fresh}).step == 2
     assert all(torch.equal(p, expected[n]) for n, p in _weights(fresh).items())
