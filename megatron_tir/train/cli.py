@@ -44,6 +44,7 @@ def prepare(args: argparse.Namespace):
     from megatron_tir.train import checkpoint_integrity as integrity
     from megatron_tir.train.checkpoint import STATE, TrainerState
     from megatron_tir.train.config import apply_overrides, from_dict, load_recipe, to_dict
+    from megatron_tir.train.preflight import check_start
 
     if args.recipe is not None:
         if not args.out:
@@ -70,6 +71,7 @@ def prepare(args: argparse.Namespace):
         # sizes and the trainer state on every rank (cheap); every byte is verified on load (rank 0)
         latest = integrity.pick(run_dir / CHECKPOINTS_DIR, strict=cfg.trainer.checkpoint.strict_resume, deep=False)
         state = TrainerState(**json.loads((latest / STATE).read_text()))
+    check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
     if cfg.trainer.steps <= state.step:
         raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
     recorded = [{"step": state.step + 1, "key": k, "value": v}
