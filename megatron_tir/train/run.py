@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import torch
 
-from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.rollout.sync import drain
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
@@ -31,10 +32,17 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     try:
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
-        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 else None
+        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0 \
+            else None
+        critic = None
+        if cfg.trainer.ppo.advantage == "gae":  # the critic: same layout, a value head, its own optimizer
+            critic = Learner(dataclasses.replace(cfg.learner, head="value", lr=cfg.critic.lr, min_lr=0.0,
+                                                 warmup_steps=0, lr_decay_style="constant", lr_decay_steps=None,
+                                                 model=cfg.critic.model or cfg.learner.model))
         if resume:
+            learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
             loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
-                {POLICY: learner}, strict=cfg.trainer.checkpoint.strict_resume)
+                learners, strict=cfg.trainer.checkpoint.strict_resume)
             if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
                 state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
                                                       for o in state.overrides[len(loaded.overrides):]]
@@ -49,7 +57,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         if resume:  # the engines start from the base weights: give them the policy's
             worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
-        return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference)
+        return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference, critic=critic)
     finally:
         if worker is not None:
             worker.close()
