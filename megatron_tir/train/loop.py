@@ -32,6 +32,7 @@ from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream, held_out_problems
+from megatron_tir.train.preempt import StopSignals, agreed
 from megatron_tir.train.metrics import MetricsSink, rollout_metrics
 from megatron_tir.observe.probe import TurnProbe
 from megatron_tir.observe.run_log import StepObserver
@@ -57,10 +58,11 @@ def _timed(timings: dict, name: str):
 
 
 def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None,
-          critic=None) -> TrainerState:
+          critic=None, stop: StopSignals | None = None) -> TrainerState:
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
     ``reference`` a frozen learner of the initial policy (KL term), else None; ``critic`` the value
-    learner of ``trainer.ppo.advantage=gae`` (``megatron_tir.train.critic_update``), else None."""
+    learner of ``trainer.ppo.advantage=gae`` (``megatron_tir.train.critic_update``), else None; ``stop``
+    the run's ``StopSignals`` (a signal ends the run after the step in progress, with a checkpoint)."""
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
@@ -82,7 +84,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         from tqdm import tqdm
 
         steps = tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
-    pending_ckpt_s = None
+    pending_ckpt_s, last_save = None, time.monotonic()
     nonfinite = 0  # consecutive steps with non-finite gradients or weights
     for step in steps:
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
@@ -99,7 +101,10 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                                               tc.progress)
                 got = worker.runner.run(collect_groups(one_round, want=tc.sampling.prompts_per_step,
                                                        max_rounds=tc.sampling.max_rounds, drop_zero_std=tc.filters.drop_zero_std,
-                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi))
+                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi,
+                                                       overlong=tc.filters.overlong,
+                                                       min_rows=tc.filters.min_group_rows,
+                                                       strategy=tc.sampling.strategy, seed=tc.seed * 100003 + step))
                 metrics |= rollout_metrics(got.sampled)
                 observer.sampled(step, got)
                 metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
@@ -129,12 +134,17 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
-        if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
+        stopping, time_due = agreed(stop is not None and stop.received is not None,
+                                    tc.checkpoint.minutes > 0 and time.monotonic() - last_save >= 60 * tc.checkpoint.minutes)
+        if stopping or time_due or step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
             ckpts.save({POLICY: learner} | ({CRITIC: critic} if critic is not None else {}), state)
-            pending_ckpt_s = time.perf_counter() - t0
+            pending_ckpt_s, last_save = time.perf_counter() - t0, time.monotonic()
+        if stopping:
+            log.warning("stopped after step %d on a signal; the run continues from its checkpoint (--resume)", step)
+            break
     if sink is not None:
         observer.close()
         sink.close()
@@ -232,7 +242,9 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
 def evaluate(cfg: TrainConfig, worker, problems, rollout_cfg, observe=None) -> dict[str, float]:
     """Held-out reward and TIR behaviour with the current weights (rank 0); ``observe(groups)`` sees the groups."""
     T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rollout_cfg.temperature
-    ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
+    top_p = cfg.data.eval_top_p if cfg.data.eval_top_p is not None else rollout_cfg.top_p
+    ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
+                               seed=cfg.trainer.seed + 1)
     t0 = time.perf_counter()
     groups = worker.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
     if observe is not None:

@@ -14,6 +14,7 @@ from megatron_tir.rollout.sync import drain
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
+from megatron_tir.train.preempt import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         if resume:  # the engines start from the base weights: give them the policy's
             worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
-        return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference, critic=critic)
+        with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
+            return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference, critic=critic,
+                         stop=stop)
     finally:
         if worker is not None:
             worker.close()
