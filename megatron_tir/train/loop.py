@@ -23,6 +23,7 @@ import torch
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
+from megatron_tir.finite import NonFiniteTraining
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
@@ -65,8 +66,11 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
-    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None,
-                       trackers=open_trackers(tc.log, run_dir, state.config)) if rank == 0 else None
+    # a resume drops what steps after its checkpoint wrote (metrics lines, TensorBoard events); a fresh
+    # start in a reused directory (no checkpoint) drops everything an earlier attempt wrote
+    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset,
+                       trackers=open_trackers(tc.log, run_dir, state.config,
+                                              purge_step=state.step + 1 if state.step else 0)) if rank == 0 else None
     observer = StepObserver(cfg, run_dir, tokenizer=worker.tokenizer, sink=sink) if rank == 0 else None
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
@@ -81,6 +85,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
 
         steps = tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
     pending_ckpt_s, last_save = None, time.monotonic()
+    nonfinite = 0  # consecutive steps with non-finite gradients or weights
     for step in steps:
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         metrics: dict[str, float] = {}
@@ -110,6 +115,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         if rt is not None:
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference,
                                      critic=critic, critic_only=step <= cfg.critic.warmup_steps)
+            nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
                 worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
@@ -143,6 +149,20 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         observer.close()
         sink.close()
     return state
+
+
+def _check_finite_steps(step: int, metrics: dict, before: int, limit: int) -> int:
+    """Consecutive non-finite steps so far (every rank sees the same all-reduced flags);
+    NonFiniteTraining once ``limit`` are reached."""
+    skipped, bad_weights = metrics.get("train/skipped_steps", 0.0), metrics.get("train/nonfinite_weights", 0.0)
+    if not (skipped or bad_weights):
+        return 0
+    count = before + 1
+    if count >= limit:
+        cause = "non-finite weights" if bad_weights else "non-finite gradients (every such optimizer step skipped)"
+        raise NonFiniteTraining(f"stopped at step {step}: {count} consecutive steps with {cause} "
+                                f"(trainer.stop_after_nonfinite={limit}); the checkpoints hold only finite weights")
+    return count
 
 
 async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progress: bool):
@@ -203,6 +223,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/advantage_abs_mean": float(update.advantages_B.abs().mean()),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
     } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT) | critic_metrics
