@@ -68,6 +68,7 @@ class RolloutConfig:
     n_samples: int = 1  # trajectories per prompt (the GRPO group size)
     max_turns: int = 5  # model turns per trajectory (tools=False: always one)
     max_response_tokens: int = 16384  # model + feedback tokens, all turns
+    max_turn_tokens: int | None = None  # model tokens of one turn (SimpleTIR's release: 8000); None: no cap
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -91,6 +92,8 @@ class RolloutConfig:
         for name in ("n_samples", "max_turns", "max_response_tokens", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1 (or null), got {self.max_turn_tokens}")
         # The sampling bounds live with SamplingParams; check them there, once.
         SamplingParams(max_new_tokens=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if not 0 < self.tool_timeout_s <= MAX_TIMEOUT_S:
@@ -205,6 +208,8 @@ class TIRRollout:
             if budget <= 0:
                 traj.status = FinishStatus.TRUNCATED
                 break
+            if cfg.max_turn_tokens is not None:  # a turn cut by its own cap is classified like any cut turn
+                budget = min(budget, cfg.max_turn_tokens)
             context = traj.prompt_ids + traj.response_ids
             # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
             # opened code block): that text is parsed as the start of turn 0.
@@ -225,6 +230,11 @@ class TIRRollout:
 
             if tr.finish is FinishReason.ABORT:  # not the model's doing, whatever the text holds
                 traj.status = FinishStatus.ABORTED
+                break
+            if cls.kind is TurnKind.VOID and not cfg.tools:
+                # text-only (Table 1's zero-RL baseline): with no tool to call, a turn without an
+                # answer is a wrong answer (reward 0) in every mode, not a void turn
+                traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
                 break
             if cls.kind is TurnKind.VOID:
                 if cfg.void_turn == "stop":
