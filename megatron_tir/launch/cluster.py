@@ -13,14 +13,12 @@ its first node's CPUs.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from megatron_tir.config_io import build, to_dict
 from megatron_tir.launch.layout import TrainerLayout
 
 
@@ -211,63 +209,6 @@ def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "clust
 # ----------------------------------------------------------------------------- reading YAML
 
 
-def _build(cls, data, key: str):
-    """``cls`` (a config dataclass) from ``data``; errors name the dotted ``key``."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{key or 'the file'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    prefix = f"{key}." if key else ""
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(fields)})")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ValueError(f"{prefix}{missing[0]}: missing")
-    kwargs = {name: _value(hints[name], value, prefix + name) for name, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}" if key else str(exc)) from None
-
-
-def _value(tp, value, key: str):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin is dict:
-        _, item = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a mapping, got {type(value).__name__}")
-        return {str(k): _value(item, v, f"{key}.{k}") for k, v in value.items()}
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ValueError(f"{key}: expected a list, got {type(value).__name__}")
-        return [_value(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    else:
-        raise AssertionError(f"unhandled type {tp} at {key}")
-    raise ValueError(f"{key}: expected {tp.__name__}, got {value!r}")
-
-
 def load_cluster(path: str | Path) -> Cluster:
     """The cluster file at ``path``; any problem is one ``ValueError`` line naming the file and key."""
     path = Path(path)
@@ -280,18 +221,18 @@ def load_cluster(path: str | Path) -> Cluster:
         at = f" (line {mark.line + 1})" if mark is not None else ""
         raise ValueError(f"cluster file {path}: not valid YAML{at}") from None
     try:
-        return _build(Cluster, data if data is not None else {}, "")
+        return build(Cluster, data if data is not None else {})
     except ValueError as exc:
         raise ValueError(f"cluster file {path}: {exc}") from None
 
 
 def cluster_to_dict(cluster: Cluster) -> dict:
-    """A YAML/JSON-ready dict that ``_build`` reads back into the same ``Cluster``."""
-    return dataclasses.asdict(cluster)
+    """A YAML/JSON-ready dict that :func:`load_cluster` reads back into the same ``Cluster``."""
+    return to_dict(cluster)
 
 
 def cluster_from_dict(data: dict, *, where: str) -> Cluster:
     try:
-        return _build(Cluster, data, "")
+        return build(Cluster, data)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None

@@ -1,6 +1,11 @@
 """RL maths as pure tensor functions: advantages, the policy loss, which rows count where, filters."""
 
-from megatron_tir.rl.advantages import grpo_advantages_B, reinforce_pp_advantages_BT
+from megatron_tir.rl.advantages import (
+           ADVANTAGE_ESTIMATORS,
+           AdvantageEstimator,
+           grpo_advantages_B,
+           reinforce_pp_advantages_BT,
+)
 from megatron_tir.rl.loss import (
            AGGREGATIONS,
            LossConfig,
@@ -19,7 +24,9 @@ from megatron_tir.rl.rows import (
 )
 
 __all__ = [
+           "ADVANTAGE_ESTIMATORS",
            "AGGREGATIONS",
+           "AdvantageEstimator",
            "MODES",
            "OVERLONG",
            "LossConfig",

@@ -1,6 +1,9 @@
-"""Advantage estimators without a critic: GRPO (group-relative) and Reinforce++ (batch-normalised).
+"""Advantage estimators without a critic: GRPO (group-relative), Dr. GRPO and Reinforce++ (batch-normalised).
 
-Both take an outcome reward per trajectory (``rewards_B``) and a boolean ``stats_B`` that says
+:data:`ADVANTAGE_ESTIMATORS` names them all with one signature,
+``(rewards_B, group_index_B, stats_B, mask_BT) -> advantages_BT`` (0 outside ``mask_BT``'s model
+tokens and on rows outside the statistics); ``trainer.ppo.advantage`` is a key of it. Adding an
+estimator is a function of that signature and a line in the registry. Each takes an outcome reward per trajectory (``rewards_B``) and a boolean ``stats_B`` that says
 which rows enter the statistics (see :func:`megatron_tir.rl.rows.row_weights`: void rows do,
 tool-failed and aborted rows do not). Rows outside the statistics get advantage 0.
 Standard deviations are the unbiased (n - 1) estimate, as torch.std; a group or batch with
@@ -8,6 +11,8 @@ fewer than two counted rows has std 0.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -72,3 +77,35 @@ def reinforce_pp_baseline_advantages_BT(rewards_B: torch.Tensor, group_index_B: 
     returns_BT = centred_B[:, None] * counted_BT
     mean, std = _masked_std(returns_BT, counted_BT)
     return (returns_BT - mean) / (std + eps) * counted_BT
+
+
+# (rewards_B, group_index_B, stats_B, mask_BT) -> advantages_BT
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _per_token(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return adv_B[:, None] * (mask_BT > 0).float()
+
+
+def grpo_BT(rewards_B, group_index_B, stats_B, mask_BT) -> torch.Tensor:
+    """GRPO (:func:`grpo_advantages_B`, std-normalised) on every model token of its row."""
+    return _per_token(grpo_advantages_B(rewards_B, group_index_B, stats_B, std_normalize=True), mask_BT)
+
+
+def dr_grpo_BT(rewards_B, group_index_B, stats_B, mask_BT) -> torch.Tensor:
+    """Dr. GRPO: the group mean subtracted, no division by the group std."""
+    return _per_token(grpo_advantages_B(rewards_B, group_index_B, stats_B, std_normalize=False), mask_BT)
+
+
+def reinforce_pp_BT(rewards_B, group_index_B, stats_B, mask_BT) -> torch.Tensor:
+    """Reinforce++ (:func:`reinforce_pp_advantages_BT`, gamma 1); groups play no part."""
+    del group_index_B
+    return reinforce_pp_advantages_BT(rewards_B, mask_BT, stats_B)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": grpo_BT,
+    "dr_grpo": dr_grpo_BT,
+    "reinforce_pp": reinforce_pp_BT,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages_BT,
+}

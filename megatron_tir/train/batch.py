@@ -13,14 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_tir.policy.learner_config import TrainBatch
-from megatron_tir.rl import (
-    MODES,
-    group_keep_G,
-    grpo_advantages_B,
-    low_prob_keep_BT,
-    reinforce_pp_advantages_BT,
-    row_weights,
-)
+from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rollout.batch import Group, collate
 from megatron_tir.rollout.trajectory import FinishStatus
 
@@ -31,11 +24,13 @@ class RolloutTensors:
     attention_mask_BT: torch.Tensor
     loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in build_update
     engine_logprobs_BT: torch.Tensor
+    versions_BT: torch.Tensor  # weight version that sampled each loss token (collate); -1 elsewhere
     rewards_B: torch.Tensor
     group_index_B: torch.Tensor
     void_B: torch.Tensor
     infra_B: torch.Tensor  # tool_failed or aborted
     truncated_B: torch.Tensor
+    turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -50,10 +45,20 @@ def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
     trajs = [t for g in groups for t in g.trajectories]
     return RolloutTensors(
         tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-        engine_logprobs_BT=rb.old_logprobs_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
+        engine_logprobs_BT=rb.old_logprobs_BT, versions_BT=rb.versions_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
         void_B=rb.void_B,
         infra_B=torch.tensor([t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED) for t in trajs]),
-        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]))
+        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]),
+        turn_index_BT=_turn_index_BT(trajs, rb.tokens_BT.shape))
+
+
+def _turn_index_BT(trajs, shape) -> torch.Tensor:
+    out = torch.full(shape, -1, dtype=torch.long)
+    for b, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        for turn in t.turns:
+            out[b, p + turn.start:p + turn.start + turn.model_tokens] = turn.index
+    return out
 
 
 def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float
@@ -80,17 +85,13 @@ class Update:
 
 
 def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str,
-                 std_normalize: bool, overlong: str, low_prob_fraction: float,
+                 overlong: str, low_prob_fraction: float,
                  ref_logprobs_BT: torch.Tensor | None = None) -> Update:
     spec = MODES[mode]
     stats_B, loss_B = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B,
                                   drop_void=spec.drop_void, overlong=overlong)
-    if advantage == "grpo":
-        adv_B = grpo_advantages_B(rt.rewards_B, rt.group_index_B, stats_B, std_normalize=std_normalize)
-        adv_BT = adv_B[:, None].expand_as(rt.loss_mask_BT).contiguous()
-    else:
-        adv_BT = reinforce_pp_advantages_BT(rt.rewards_B, rt.loss_mask_BT, stats_B)
-        adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)
+    adv_BT = ADVANTAGE_ESTIMATORS[advantage](rt.rewards_B, rt.group_index_B, stats_B, rt.loss_mask_BT)
+    adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)  # per row, for metrics
     mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
     low_prob_masked = 0
     if spec.low_prob_filter:
@@ -98,7 +99,8 @@ def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str
         low_prob_masked = int(((1 - keep_BT) * mask_BT).sum())
         mask_BT = mask_BT * keep_BT
     rows = mask_BT.sum(1) > 0
-    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows]}
+    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows],
+              "turn_index_BT": rt.turn_index_BT[rows]}
     if ref_logprobs_BT is not None:
         extras["ref_logprobs_BT"] = ref_logprobs_BT[rows]
     batch = TrainBatch(tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows],

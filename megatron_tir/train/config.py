@@ -16,23 +16,22 @@ baseline with the same loop.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import enum
-import types
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_tir import config_io
+from megatron_tir.finite import check_finite
+from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
-from megatron_tir.rl import MODES, OVERLONG, LossConfig
+from megatron_tir.reward import RewardConfig
+from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
-ADVANTAGES = ("grpo", "reinforce_pp")
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
+DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
 OLD_LOGPROBS = ("learner", "engine")
 
 
@@ -98,15 +97,14 @@ class FilterConfig:
 @dataclass(kw_only=True, slots=True)
 class PPOConfig:
     """Advantages and the update's passes over the batch."""
-    advantage: str = "grpo"  # grpo | reinforce_pp
-    std_normalize: bool = True  # GRPO: divide by the group std
+    advantage: str = "grpo"  # a name in megatron_tir.rl.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | reinforce_pp | reinforce_pp_baseline
     epochs: int = 1  # passes over the batch per step
     mini_batches: int = 1  # optimizer steps per epoch
     old_logprobs: str = "learner"  # learner | engine
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
         for name in ("epochs", "mini_batches"):
@@ -137,6 +135,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
     progress: bool = True
@@ -163,12 +162,14 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
@@ -184,6 +185,7 @@ def tiny_cpu() -> TrainConfig:
         rollout=RolloutConfig(n_samples=2, max_turns=2, max_response_tokens=48, max_in_flight=8),
         engine=EngineConfig(max_batch_size=8),
         sandbox=SandboxConfig(workers=1),
+        reward=RewardConfig(workers=1),
         data=DataConfig(eval_size=2),
         # A random model earns no reward and every trajectory is void: void rows stay in the loss and a
         # small entropy bonus gives the update a gradient, so every stage of a step runs.
@@ -222,6 +224,8 @@ def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
                               max_in_flight=1024),
         engine=EngineConfig(kind="sglang", urls=("http://localhost:30000",)),
         sandbox=SandboxConfig(workers=64),
+        # ~20K answers per sampling round, checked on rank 0's node while the sandbox runs elsewhere
+        reward=RewardConfig(workers=16),
         data=DataConfig(train="math_train", eval="aime24", eval_size=30, eval_samples=16),
         trainer=TrainerConfig(steps=500,
                               sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1280, max_rounds=3),
@@ -256,142 +260,26 @@ def load_recipe(name: str) -> TrainConfig:
     return RECIPES[name]()
 
 
-# ----------------------------------------------------------------------------- overrides
-
-def _parse(text: str, tp, key: str):
-    """``text`` as a value of type ``tp`` (a resolved annotation)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if type(None) in args and text.strip().lower() in ("null", "none", ""):
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _parse(text, a, key)
-            except ValueError:
-                continue
-        raise ValueError(f"{key}: {text!r} is not a {' | '.join(getattr(a, '__name__', str(a)) for a in args)}")
-    if origin is tuple:
-        (item, *_rest) = typing.get_args(tp)
-        return tuple(_parse(x.strip(), item, key) for x in text.split(",") if x.strip())
-    if tp is bool:
-        low = text.strip().lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{key}: {text!r} is not a bool (true/false)")
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not an int") from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not a number") from None
-    if tp is str:
-        return text
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(text)
-        except ValueError:
-            raise ValueError(f"{key}: {text!r} is not one of {', '.join(m.value for m in tp)}") from None
-    raise ValueError(f"{key}: fields of type {tp} cannot be set from the command line")
-
-
-def _assign(cfg: TrainConfig, path: list[str], text: str, key: str) -> None:
-    """Set ``path`` of ``cfg`` (in place, not yet validated) to ``text`` parsed by the field's type."""
-    obj = cfg
-    for depth, name in enumerate(path):
-        names = [f.name for f in dataclasses.fields(obj)]
-        where = ".".join(path[:depth]) or "the config"
-        if name not in names:
-            raise ValueError(f"unknown key {key!r} ({where} has: {', '.join(names)})")
-        current = getattr(obj, name)
-        last = depth == len(path) - 1
-        if dataclasses.is_dataclass(current):
-            if last:
-                raise ValueError(f"{key} is a section; set one of its keys ({key}.<key>)")
-            obj = current
-            continue
-        if not last:
-            raise ValueError(f"unknown key {key!r} ({'.'.join(path[:depth + 1])} is not a section)")
-        setattr(obj, name, _parse(text, typing.get_type_hints(type(obj))[name], key))
-
-
-def _validated(obj, prefix: str, touched: dict[str, list[str]]):
-    """``obj`` rebuilt bottom-up (every ``__post_init__`` runs); errors name the keys set in the failing section."""
-    changes = {}
-    for f in dataclasses.fields(obj):
-        sub = getattr(obj, f.name)
-        if dataclasses.is_dataclass(sub):
-            changes[f.name] = _validated(sub, f"{prefix}{f.name}.", touched)
-    try:
-        return dataclasses.replace(obj, **changes)
-    except (ValueError, TypeError) as exc:
-        keys = touched.get(prefix, []) or [k for p, ks in touched.items() if p.startswith(prefix) for k in ks]
-        raise ValueError(f"{', '.join(keys) or prefix.rstrip('.') or 'config'}: {exc}") from None
-
+# ----------------------------------------------------------------------------- overrides and JSON
 
 def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """``cfg`` with every ``key=value`` applied (a new config; ``cfg`` is not changed).
+    """``cfg`` with every ``key=value`` applied (a new config; :func:`megatron_tir.config_io.apply_overrides`).
 
-    All values are parsed and set first, then every section is validated, so keys that
-    depend on each other (``engine.kind=sglang`` and ``engine.urls``) can come in any order.
-    Errors name the key (a bad value) or the keys set in the section that failed validation.
+    Keys another key decides are refused: ``learner.model`` / ``engine.model`` (the top-level
+    ``model``) and ``rollout.void_turn`` (``trainer.mode``).
     """
-    cfg = copy.deepcopy(cfg)
-    touched: dict[str, list[str]] = {}
     for item in overrides:
-        key, sep, text = item.partition("=")
-        key, text = key.strip(), text.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        if key in DERIVED_KEYS:
-            raise ValueError(f"{key} follows the top-level model; set model={text} instead")
-        path = key.split(".")
-        _assign(cfg, path, text, key)
-        touched.setdefault("".join(p + "." for p in path[:-1]), []).append(f"{key}={text}")
-    return _validated(cfg, "", touched)
+        key, _, text = item.partition("=")
+        if key.strip() in DERIVED_KEYS:
+            raise ValueError(f"{key.strip()} follows the top-level model; set model={text.strip()} instead")
+    return config_io.apply_overrides(cfg, overrides, decided_by=DECIDED_BY)
 
 
-# ----------------------------------------------------------------------------- JSON
-
-def to_dict(cfg) -> dict:
-    """A JSON-ready dict of a config (enums as their values, tuples as lists)."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            v = to_dict(v)
-        elif isinstance(v, enum.Enum):
-            v = v.value
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
-    return out
+def to_dict(cfg: TrainConfig) -> dict:
+    """A JSON-ready dict of the config (``config.json``)."""
+    return config_io.to_dict(cfg)
 
 
-def from_dict(data: dict, cls: type = TrainConfig):
+def from_dict(data: dict) -> TrainConfig:
     """The inverse of :func:`to_dict` (a resolved ``config.json``); sections validate as they are built."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}")
-    kwargs = {}
-    for name, value in data.items():
-        tp = hints[name]
-        if isinstance(value, dict):
-            kwargs[name] = from_dict(value, tp)
-        elif isinstance(value, list):
-            kwargs[name] = tuple(value)
-        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs[name] = tp(value)
-        else:
-            kwargs[name] = value
-    return cls(**kwargs)
+    return config_io.build(TrainConfig, data)

@@ -20,12 +20,20 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.losses import TokenLoss
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream, held_out_problems
 from megatron_tir.train.metrics import MetricsSink, rollout_metrics
+from megatron_tir.observe.probe import TurnProbe
+from megatron_tir.observe.run_log import StepObserver
+from megatron_tir.observe.trackers import open_trackers
 from megatron_tir.train.schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
@@ -52,18 +60,21 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
-    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None) if rank == 0 else None
+    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None,
+                       trackers=open_trackers(tc.log, run_dir, state.config)) if rank == 0 else None
+    observer = StepObserver(cfg, run_dir, tokenizer=worker.tokenizer, sink=sink) if rank == 0 else None
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
     lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
     rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc.turn_schedule)
     if rank == 0 and state.step == 0 and held_out:
-        sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg) | {"time/unix": time.time()})
+        sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg, observe=functools.partial(observer.held_out, 0))
+                 | {"time/unix": time.time()})
     steps = range(state.step + 1, tc.steps + 1)
     if rank == 0 and tc.progress:
         from tqdm import tqdm
 
-        steps = tqdm(steps, desc="train", unit="step")
+        steps = tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
     pending_ckpt_s = None
     for step in steps:
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
@@ -82,6 +93,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                                                        max_rounds=tc.sampling.max_rounds, drop_zero_std=tc.filters.drop_zero_std,
                                                        accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi))
                 metrics |= rollout_metrics(got.sampled)
+                observer.sampled(step, got)
                 metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
                 metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
                 lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
@@ -91,7 +103,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
-                worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
+                worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
         else:
             metrics["train/skipped_empty_batch"] = 1.0
             log.warning("step %d: no group passed the filters; no update", step)
@@ -100,9 +112,10 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         if rank == 0:
             if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
                 with _timed(timings, "eval"):
-                    metrics |= evaluate(cfg, worker, held_out, rollout_cfg)
+                    metrics |= evaluate(cfg, worker, held_out, rollout_cfg, observe=functools.partial(observer.held_out, step))
             metrics |= {"budget/max_turns": rollout_cfg.max_turns,
                         "budget/max_response_tokens": rollout_cfg.max_response_tokens, "train/lr": learner.lr}
+            metrics |= observer.end_step(step, metrics | timings)
             sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
@@ -110,9 +123,10 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
-            ckpts.save(learner, state)
+            ckpts.save({POLICY: learner}, state)
             pending_ckpt_s = time.perf_counter() - t0
     if sink is not None:
+        observer.close()
         sink.close()
     return state
 
@@ -133,19 +147,23 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             old_BT = rt.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
                                                                    temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage, std_normalize=tc.ppo.std_normalize,
+    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
-    loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
+    loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
+    token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
     results = []
     with _timed(timings, "train"):
         if update.batch.tokens_BT.shape[0]:
-            for _ in range(tc.ppo.epochs):
-                for mb in mini_batches(update, tc.ppo.mini_batches):
-                    results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                      temperature=temperature,
-                                                      with_entropy=tc.loss.entropy_coef > 0))
-    max_ratio = torch.tensor(loss_fn.max_ratio)
+            n_opt = tc.ppo.epochs * min(tc.ppo.mini_batches, len(update.group_of_row.unique()))
+            with _phase_bar(tc.progress, "update", n_opt) as bar:
+                for _ in range(tc.ppo.epochs):
+                    for mb in mini_batches(update, tc.ppo.mini_batches):
+                        results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
+                        bar.update(1)
+    max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
+    if max_ratio is None:
+        max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     out = {
         "filter/rows": float(rt.tokens_BT.shape[0]),
@@ -159,23 +177,34 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/max_ratio": float(max_ratio),
-    }
+        "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
+    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT)
     if results:
         out["train/loss"] = sum(r.loss for r in results) / len(results)
         out["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
         out["train/padding_share"] = sum(r.padding_share for r in results) / len(results)
-        for key in results[0].metrics:
-            out[f"train/{key}"] = sum(r.metrics[key] for r in results) / len(results)
+        means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
+        out |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return out
 
 
-def evaluate(cfg: TrainConfig, worker, problems, rollout_cfg) -> dict[str, float]:
-    """Held-out reward and TIR behaviour with the current weights (rank 0)."""
+def evaluate(cfg: TrainConfig, worker, problems, rollout_cfg, observe=None) -> dict[str, float]:
+    """Held-out reward and TIR behaviour with the current weights (rank 0); ``observe(groups)`` sees the groups."""
     T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rollout_cfg.temperature
     ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
     t0 = time.perf_counter()
     groups = worker.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
+    if observe is not None:
+        observe(groups)
     return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
+
+
+def _phase_bar(progress: bool, desc: str, total: int):
+    """A progress bar of optimizer steps on rank 0 when ``progress`` and stderr is a terminal."""
+    from tqdm import tqdm
+
+    show = progress and torch.distributed.get_rank() == 0
+    return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None if show else True)
 
 
 def _pad_id(tokenizer) -> int:

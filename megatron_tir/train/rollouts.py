@@ -1,9 +1,9 @@
 """Rank 0's side of the run: the generation engine, the sandbox cluster, the verifier and the
 async rollout driver, kept alive across steps on one asyncio event loop.
 
-Engines are paused around a weight sync and resumed after it (``sync_from``); a
-trajectory in flight never straddles a sync, because a step's rollouts have all finished
-before the update starts.
+New weights reach the engine through its weight sync (``sync_from``; the sync pauses and
+resumes the engine); a trajectory in flight never straddles a sync, because a step's
+rollouts have all finished before the update starts.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine, open_sandbox
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine, build_weight_sync, open_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -24,35 +23,25 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """Owns the engine, the sandbox and the event loop on rank 0 (a context manager)."""
 
-    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
+    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir) -> None:
         self._stack = contextlib.ExitStack()
         try:
-            self._start(engine_cfg, sandbox_cfg, model_dir)
+            self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir)
         except BaseException:
             self._stack.close()
             raise
 
-    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, model_dir) -> None:
+    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg, model_dir) -> None:
         from megatron_tir.reward import MathVerifier
 
         self.runner = self._stack.enter_context(asyncio.Runner())
         self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
-        self.verifier = self._stack.enter_context(MathVerifier())
+        self.verifier = self._stack.enter_context(MathVerifier(reward_cfg))
         self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
-        self.weight_sync = None  # SGLang: the connected sender that Learner.sync_weights drives
-        if engine_cfg.kind == "sglang":
-            from megatron_tir.policy import weight_sync as ws
-
-            if engine_cfg.colocated:
-                self.weight_sync = ws.TensorWeightSync(self.engine)
-            else:
-                from megatron_tir.ports import free_port
-
-                self.weight_sync = ws.DistributedWeightSync(self.engine, ws.DistributedWeightSyncConfig(
-                    master_address=socket.getfqdn(), master_port=free_port()))
-                self.runner.run(self.weight_sync.connect())
-                self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
+        self.weight_sync = build_weight_sync(engine_cfg, self.engine)
+        self.runner.run(self.weight_sync.start())
+        self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
     def rollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
                 progress: bool = False, desc: str = "rollout") -> list[Group]:
@@ -66,21 +55,13 @@ class RolloutWorker:
             return await driver.run(problems, group_id_offset=group_id_offset)
         from tqdm import tqdm
 
-        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
+        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
-    def sync_from(self, learner) -> None:
-        """The learner's current weights into the engine, paused around the copy (collective:
-        the other ranks call ``learner.sync_weights(None)`` at the same time). SGLang: the
-        weight-sync sender pauses, loads, flushes and resumes the servers itself."""
-        if self.weight_sync is not None:
-            learner.sync_weights(self.weight_sync, loop=self.runner.get_loop())
-            return
-        self.runner.run(self.engine.pause())
-        try:
-            learner.sync_weights(self.engine, loop=self.runner.get_loop())
-        finally:
-            self.runner.run(self.engine.resume())
+    def sync_from(self, learner) -> int:
+        """The learner's current weights into the engine; returns its new weight version
+        (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
+        return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
 
     def close(self) -> None:
         self._stack.close()

@@ -175,3 +175,20 @@ def test_group_keep_zero_std_accuracy_and_uncounted():
     assert keep.tolist() == [False, False, True, False] and removed["accuracy"] == 1
     keep, _ = group_keep_G(rewards, group, stats, drop_zero_std=False)
     assert keep.tolist() == [True, True, True, False]
+
+
+def test_every_advantage_estimator_has_the_one_signature_and_zero_outside_the_mask():
+    from megatron_tir.rl import ADVANTAGE_ESTIMATORS
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    group = torch.tensor([0, 0, 1, 1])
+    stats = torch.tensor([True, True, True, False])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 0], [0, 0, 1], [1, 1, 1]], dtype=torch.float32)
+    got = {name: fn(rewards, group, stats, mask) for name, fn in ADVANTAGE_ESTIMATORS.items()}
+    for name, adv in got.items():
+        assert adv.shape == mask.shape, name
+        assert bool((adv[mask == 0] == 0).all()) and bool((adv[3] == 0).all()), name  # row 3 is not counted
+    # group 0 = {1, 0}: mean 0.5, std sqrt(0.5); group 1's only counted row has advantage 0
+    a = 0.5 / (0.5 ** 0.5 + 1e-6)
+    torch.testing.assert_close(got["grpo"][:, 1], torch.tensor([a, -a, 0.0, 0.0]))
+    torch.testing.assert_close(got["dr_grpo"][:, 1], torch.tensor([0.5, -0.5, 0.0, 0.0]))

@@ -59,6 +59,9 @@ def test_launcher_keys_in_any_order():
     ("engine.kind=sglang", "engine.kind=sglang: engine kind 'sglang' needs urls"),
     ("steps", "override 'steps' is not key=value"),
     ("learner.model=x", "learner.model follows the top-level model; set model=x instead"),
+    ("rollout.void_turn=continue", "rollout.void_turn is decided by trainer.mode; set trainer.mode instead"),
+    ("trainer.ppo.advantage=ppo_gae", "trainer.ppo.advantage=ppo_gae: advantage must be one of grpo, dr_grpo"),
+    ("reward.workers=0", "reward.workers=0: reward workers must be >= 1"),
 ])
 def test_bad_overrides_are_one_line_errors_naming_the_key(item, message):
     with pytest.raises(ValueError) as info:
@@ -78,3 +81,16 @@ def test_unknown_recipe():
 def test_mode_decides_the_void_turn_behaviour(mode, void_turn):
     cfg = apply_overrides(load_recipe("tiny-cpu"), [f"trainer.mode={mode}", "rollout.tools=false"])
     assert cfg.rollout.void_turn == void_turn and cfg.rollout.tools is False
+
+
+def test_the_reward_checker_is_set_from_the_run_config():
+    cfg = apply_overrides(load_recipe("tiny-cpu"), ["reward.workers=3", "reward.timeout_s=2.5"])
+    assert (cfg.reward.workers, cfg.reward.timeout_s) == (3, 2.5)
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))).reward == cfg.reward
+
+
+def test_a_config_json_with_an_unknown_advantage_is_refused():
+    data = to_dict(load_recipe("tiny-cpu"))
+    data["trainer"]["ppo"]["advantage"] = "ppo_gae"
+    with pytest.raises(ValueError, match="trainer.ppo: advantage must be one of grpo, dr_grpo, reinforce_pp"):
+        from_dict(data)

@@ -26,7 +26,7 @@ def crafted():
 
 def update(mode, overlong="mask", fraction=0.0):
     rt = to_tensors(crafted(), pad_id=0)
-    return rt, build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage="grpo", std_normalize=True,
+    return rt, build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage="grpo",
                             overlong=overlong, low_prob_fraction=fraction)
 
 
@@ -65,7 +65,7 @@ def test_low_prob_filter_masks_each_rows_lowest_tokens():
 
 def test_reinforce_pp_uses_batch_statistics():
     rt = to_tensors(crafted(), pad_id=0)
-    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="reinforce_pp", std_normalize=True,
+    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="reinforce_pp",
                      overlong="mask", low_prob_fraction=0.0)
     # counted rows: rewards {1, 0, 0, 1, 0, 0} x 3 tokens each: mean 1/3, std over 18 tokens sqrt((6*4/9 + 12/9)/17)
     std = math.sqrt((6 * 4 / 9 + 12 * 1 / 9) / 17)
@@ -107,6 +107,6 @@ def test_dynamic_sampling_that_empties_the_batch_comes_back_empty():
 def test_reference_logprobs_travel_with_the_kept_rows():
     rt = to_tensors(crafted(), pad_id=0)
     ref = torch.arange(rt.tokens_BT.numel(), dtype=torch.float32).view_as(rt.tokens_BT)
-    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="grpo", std_normalize=True,
+    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="grpo",
                      overlong="mask", low_prob_fraction=0.0, ref_logprobs_BT=ref)
     torch.testing.assert_close(u.batch.extras["ref_logprobs_BT"], ref[u.loss_B])
