@@ -9,12 +9,13 @@ decoders (``LocalEngineConfig.decoder``: ``hf`` is the previous implementation -
 forward over a DynamicCache grown by concatenation -- and ``slot`` the preallocated-slot
 decoder) run the same requests, interleaved round by round (ABBA order) so that load from
 other processes hits both; each figure is the median over rounds. Wall time includes
-prefill and sampling, as a rollout sees it.
+prefill and sampling, as a rollout sees it; tokens per CPU-second (process CPU time, all
+threads) is printed too, as the figure a loaded machine distorts least.
 
-The roofline is measured on the spot: memory bandwidth (a large tensor copy, read +
+The roofline is measured on the spot: memory bandwidth (a 256 MiB tensor copy, read +
 write bytes per second; a decode step reads every weight once, at half that rate) and
-the matmul rate of one decode-shaped product (batch x hidden by hidden x 4*hidden... the
-model's up projection). A step at batch B cannot beat max(weight bytes / read rate,
+the matmul rate of one decode-shaped product (largest batch x hidden by hidden x
+intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
 2 * params * B / matmul rate); "of roofline" is tokens/s over B / that time.
 Prints one JSON line per (batch size, decoder) and a summary line per batch size.
 """
@@ -49,16 +50,16 @@ async def measure(model: str, decoder: str, batch_size: int, requests: int, max_
     # min_new_tokens does not exist: count what was generated, whatever ended each request.
     params = [SamplingParams(max_new_tokens=max_new_tokens, seed=i) for i in range(requests)]
     await engine.generate(prompts[0], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     n_params = sum(p.numel() for p in engine.model.parameters())  # tied weights counted once
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     await engine.close()
     tokens = sum(len(o.token_ids) for o in outs)
     return {"model": model, "decoder": decoder, "max_batch_size": batch_size, "requests": requests,
             "threads": threads, "generated_tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1), "params": n_params, "weight_bytes": weight_bytes}
+            "tokens_per_s": round(tokens / seconds, 1), "tokens_per_cpu_s": round(tokens / cpu_seconds, 1), "params": n_params, "weight_bytes": weight_bytes}
 
 
 def measure_roofline(hidden: int, intermediate: int, batch: int, repeats: int = 5) -> dict:
@@ -127,14 +128,17 @@ def main(argv: list[str] | None = None) -> int:
             runs = results[(size, decoder)]
             first = runs[0]
             speed = statistics.median(x["tokens_per_s"] for x in runs)
+            per_cpu = statistics.median(x["tokens_per_cpu_s"] for x in runs)
             roof_tps = roofline_tokens_per_s(size, roof, first["params"], first["weight_bytes"])
-            speeds[decoder] = speed
+            speeds[decoder] = (speed, per_cpu)
             row = {k: first[k] for k in ("model", "decoder", "max_batch_size", "requests", "threads")}
             row.update(tokens_per_s=speed, tokens_per_s_rounds=[x["tokens_per_s"] for x in runs],
+                       tokens_per_cpu_s=per_cpu,
                        roofline_tokens_per_s=round(roof_tps, 1), of_roofline=round(speed / roof_tps, 3))
             sys.stdout.write(json.dumps(row) + "\n")
-        sys.stdout.write(json.dumps({"max_batch_size": size, "slot_over_hf": round(speeds["slot"] / speeds["hf"], 2)})
-                         + "\n")
+        sys.stdout.write(json.dumps({"max_batch_size": size,
+                                     "slot_over_hf": round(speeds["slot"][0] / speeds["hf"][0], 2),
+                                     "slot_over_hf_per_cpu_s": round(speeds["slot"][1] / speeds["hf"][1], 2)}) + "\n")
         sys.stdout.flush()
     return 0
 
