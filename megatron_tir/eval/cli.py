@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     help_text = "evaluate a model with multi-turn TIR rollouts (avg@k, pass@k, TIR metrics)"
     p = sub.add_parser("eval", help=help_text, description=help_text, argument_default=argparse.SUPPRESS)
     p.add_argument("--recipe", help="named settings the flags apply on top of: qwen2.5-7b-simpletir-eval")
-    p.add_argument("--model", help="engine.model: smollm2, tiny-qwen2 or an HF model directory")
+    p.add_argument("--model", help="engine.model: smollm2, tiny-qwen2, an HF model directory, or a checkpoint "
+                   "(run dir: its latest step; step dir; policy checkpoint)")
     p.add_argument("--data", action="append",
                    help="aime24 | aime25 | math500 | math_train | arithmetic | a verl parquet file (repeat for several)")
     p.add_argument("--limit", type=int, help="limit: evaluate the first M problems of each dataset")

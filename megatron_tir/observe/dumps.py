@@ -69,6 +69,17 @@ def read_dump(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """A dump (``.jsonl.gz``) or an ``eval --out`` file (``.jsonl``); ValueError on anything else."""
+    path = Path(path)
+    try:
+        if path.name.endswith(".gz"):
+            return read_dump(path)
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
+
+
 def _void_reason(t: Trajectory) -> str:
     return f"void: {t.void_reason or 'a void turn'}"
 
@@ -94,8 +105,9 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
     if not kept:
         return fates
     rt = to_tensors(kept, pad_id=0)
-    update = build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage=advantage, overlong=overlong,
-                          low_prob_fraction=low_prob_fraction)
+    gae = advantage == "gae"  # GAE's advantages come from the critic's values: the dump records none
+    update = build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage=None if gae else advantage,
+                          overlong=overlong, low_prob_fraction=low_prob_fraction)
     drop_void = MODES[mode].drop_void
     trajs = [t for g in kept for t in g.trajectories]
     has_tokens = (rt.loss_mask_BT.sum(1) > 0).tolist()
@@ -112,7 +124,8 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
             else:
                 why = "no model tokens"
         fates[(t.group_id, t.sample_index)] = {"in_stats": bool(update.stats_B[b]), "in_loss": in_loss,
-                                               "advantage": float(update.advantages_B[b]), "dropped_by": why}
+                                               "advantage": None if gae else float(update.advantages_B[b]),
+                                               "dropped_by": why}
     return fates
 
 

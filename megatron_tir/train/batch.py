@@ -82,15 +82,19 @@ class Update:
     stats_B: torch.Tensor
     loss_B: torch.Tensor
     low_prob_masked: int  # tokens the low-prob filter removed
+    rows_B: torch.Tensor  # [B] bool: the rollout's rows in ``batch``
 
 
-def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str,
+def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str | None,
                  overlong: str, low_prob_fraction: float,
                  ref_logprobs_BT: torch.Tensor | None = None) -> Update:
     spec = MODES[mode]
     stats_B, loss_B = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B,
                                   drop_void=spec.drop_void, overlong=overlong)
-    adv_BT = ADVANTAGE_ESTIMATORS[advantage](rt.rewards_B, rt.group_index_B, stats_B, rt.loss_mask_BT)
+    if advantage is None:  # the critic's GAE fills them in (megatron_tir.train.critic_update)
+        adv_BT = torch.zeros_like(rt.loss_mask_BT, dtype=torch.float32)
+    else:
+        adv_BT = ADVANTAGE_ESTIMATORS[advantage](rt.rewards_B, rt.group_index_B, stats_B, rt.loss_mask_BT)
     adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)  # per row, for metrics
     mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
     low_prob_masked = 0
@@ -106,7 +110,7 @@ def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str
     batch = TrainBatch(tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows],
                        loss_mask_BT=mask_BT[rows], extras=extras)
     return Update(batch=batch, group_of_row=rt.group_index_B[rows], advantages_B=adv_B, stats_B=stats_B,
-                  loss_B=loss_B, low_prob_masked=low_prob_masked)
+                  loss_B=loss_B, low_prob_masked=low_prob_masked, rows_B=rows)
 
 
 def mini_batches(update: Update, n: int) -> list[TrainBatch]:

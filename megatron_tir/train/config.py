@@ -27,6 +27,7 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.critic_update import CriticConfig
 from megatron_tir.train.schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
@@ -103,8 +104,9 @@ class PPOConfig:
     old_logprobs: str = "learner"  # learner | engine
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}")
+        if self.advantage not in ADVANTAGE_ESTIMATORS and self.advantage != "gae":
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, gae, got "
+                             f"{self.advantage!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
         for name in ("epochs", "mini_batches"):
@@ -116,11 +118,14 @@ class PPOConfig:
 class CheckpointConfig:
     """When run checkpoints are written and how many are kept."""
     every: int = 0  # steps between run checkpoints (0: only at the end)
+    minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
     keep_last: int = 2
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.minutes < 0:
+            raise ValueError(f"minutes must be >= 0, got {self.minutes}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
@@ -165,10 +170,14 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # trainer.ppo.advantage=gae only
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
+            raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
+                             "trainer.loss.kl_coef is the KL loss for the other estimators")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
@@ -213,13 +222,16 @@ def smollm2_cpu() -> TrainConfig:
     )
 
 
-def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
+def _simpletir(model: str, *, tp: int, pp: int, **memory) -> TrainConfig:
     """SimpleTIR appendix C.2: T=1, n=16, sample 1280 / train 512 prompts, 4 epochs, lr 1e-6, clip
-    0.2/0.28, grad clip 1, no KL or entropy; 16K tokens and 5 turns, then 24K / 10 on a plateau."""
+    0.2/0.28, grad clip 1, no KL or entropy; 16K tokens and 5 turns, then 24K / 10 on a plateau.
+    ``memory``: the learner's sequence parallelism / recomputation, as ``tir-launch plan`` sized them
+    for 80 GiB H100s (launch/README.md); a run checkpoint every hour as well as every 20 steps, so a
+    4-hour job writes one."""
     return TrainConfig(
         model=model,
         learner=LearnerConfig(tp=tp, pp=pp, dtype="bfloat16", lr=1e-6, grad_clip=1.0, distributed_optimizer=True,
-                              max_tokens_per_microbatch=32768),
+                              max_tokens_per_microbatch=32768, **memory),
         rollout=RolloutConfig(n_samples=16, max_turns=5, max_response_tokens=16384, temperature=1.0,
                               max_in_flight=1024),
         engine=EngineConfig(kind="sglang", urls=("http://localhost:30000",)),
@@ -230,20 +242,23 @@ def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
         trainer=TrainerConfig(steps=500,
                               sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1280, max_rounds=3),
                               ppo=PPOConfig(epochs=4, mini_batches=1),
-                              checkpoint=CheckpointConfig(every=20, keep_last=3), eval_every=20,
+                              checkpoint=CheckpointConfig(every=20, minutes=60.0, keep_last=3), eval_every=20,
                               turn_schedule=TurnScheduleConfig(on_plateau=True, max_turns=10,
                                                                max_response_tokens=24576)),
     )
 
 
 def qwen25_7b_simpletir() -> TrainConfig:
-    """Qwen2.5-7B: TP=4 (one H100 node holds 2 learner replicas; 24K-token rows need the split)."""
-    return _simpletir("Qwen2.5-7B", tp=4, pp=1)
+    """Qwen2.5-7B: TP=4 (one H100 node holds 2 learner replicas; 24K-token rows need the split) with
+    sequence parallelism: ~61 GiB per GPU at 32K-token micro-batches (~80 without)."""
+    return _simpletir("Qwen2.5-7B", tp=4, pp=1, sequence_parallel=True)
 
 
 def qwen25_32b_simpletir() -> TrainConfig:
-    """Qwen2.5-32B: TP=8 within a node x PP=2 across two H100 nodes per replica."""
-    return _simpletir("Qwen2.5-32B", tp=8, pp=2)
+    """Qwen2.5-32B: TP=8 within a node x PP=2 across two H100 nodes per replica, sequence parallelism
+    and full recomputation of every layer: ~26 / 32 GiB on stages 0 / 1 (149 / 94 without)."""
+    return _simpletir("Qwen2.5-32B", tp=8, pp=2, sequence_parallel=True, recompute_granularity="full",
+                      recompute_method="uniform", recompute_num_layers=1)
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
+from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream, held_out_problems
@@ -54,9 +55,11 @@ def _timed(timings: dict, name: str):
     timings[f"time/{name}"] = time.perf_counter() - t0
 
 
-def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None) -> TrainerState:
+def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None,
+          critic=None) -> TrainerState:
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
-    ``reference`` a frozen learner of the initial policy (KL term), else None."""
+    ``reference`` a frozen learner of the initial policy (KL term), else None; ``critic`` the value
+    learner of ``trainer.ppo.advantage=gae`` (``megatron_tir.train.critic_update``), else None."""
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
@@ -100,7 +103,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                 rt = to_tensors(got.groups, pad_id=_pad_id(worker.tokenizer)).as_dict() if got.groups else None
         rt = _broadcast(rt)
         if rt is not None:
-            metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference)
+            metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference,
+                                     critic=critic, critic_only=step <= cfg.critic.warmup_steps)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
                 worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
@@ -123,7 +127,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
-            ckpts.save({POLICY: learner}, state)
+            ckpts.save({POLICY: learner} | ({CRITIC: critic} if critic is not None else {}), state)
             pending_ckpt_s = time.perf_counter() - t0
     if sink is not None:
         observer.close()
@@ -137,8 +141,10 @@ async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progr
 
 
 def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, temperature: float,
-                  reference=None) -> dict:
-    """Old log-probs, advantages and masks, then PPO epochs over mini-batches; the train metrics."""
+                  reference=None, *, critic=None, critic_only: bool = False) -> dict:
+    """Old log-probs, advantages and masks, then PPO epochs over mini-batches; the train metrics.
+    With a ``critic``: GAE advantages from its values and a critic step before each policy step
+    (``critic_only``: the critic's warm-up, no policy step)."""
     tc = cfg.trainer
     with _timed(timings, "logprobs"):
         if tc.ppo.old_logprobs == "learner":
@@ -147,8 +153,16 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             old_BT = rt.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
                                                                    temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
+    update = build_update(rt, old_BT, mode=tc.mode, advantage=None if critic is not None else tc.ppo.advantage,
                           overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
+    critic_metrics: dict[str, float] = {}
+    if critic is not None and update.batch.tokens_BT.shape[0]:
+        rows = update.rows_B
+        with _timed(timings, "values"):
+            update.batch, critic_metrics = gae_advantages(
+                update.batch, rt.rewards_B[rows], critic, cfg.critic, model_mask_BT=rt.loss_mask_BT[rows],
+                behaviour_BT=old_BT[rows], ref_BT=None if ref_BT is None else ref_BT[rows])
+    critic_steps: list[dict[str, float]] = []
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
     token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
@@ -159,7 +173,10 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             with _phase_bar(tc.progress, "update", n_opt) as bar:
                 for _ in range(tc.ppo.epochs):
                     for mb in mini_batches(update, tc.ppo.mini_batches):
-                        results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
+                        if critic is not None:
+                            critic_steps.append(critic_step(critic, mb, cfg.critic, tc.loss.aggregation))
+                        if not critic_only:
+                            results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation))
                         bar.update(1)
     max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
     if max_ratio is None:
@@ -178,7 +195,10 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
-    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT)
+    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT) | critic_metrics
+    if critic_steps:
+        out |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
+        out["critic/warmup"] = float(critic_only)
     if results:
         out["train/loss"] = sum(r.loss for r in results) / len(results)
         out["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
