@@ -7,6 +7,7 @@ with the rules of :mod:`megatron_tir.rl.rows` (which rows count where, the mode'
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -16,6 +17,9 @@ from megatron_tir.policy.learner_config import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rollout.batch import Group, collate
 from megatron_tir.rollout.trajectory import FinishStatus
+
+
+SAMPLING_STRATEGIES = ("rounds", "oversample")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,16 +65,17 @@ def _turn_index_BT(trajs, shape) -> torch.Tensor:
     return out
 
 
-def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float
-                  ) -> tuple[list[Group], dict[str, int]]:
-    """The groups the update keeps (dynamic sampling) and how many each rule removed."""
+def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float,
+                  overlong: str = "keep", min_rows: int = 1) -> tuple[list[Group], dict[str, int]]:
+    """The groups the update keeps (dynamic sampling) and how many each rule removed; with
+    ``overlong="drop"`` truncated rows do not count (``min_rows``: counted rows a group needs)."""
     if not groups:
         return [], {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
     rt = to_tensors(groups, pad_id=0)
     stats_B, _ = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B, drop_void=False,
-                             overlong="keep")
+                             overlong="drop" if overlong == "drop" else "keep")
     keep_G, removed = group_keep_G(rt.rewards_B, rt.group_index_B, stats_B, drop_zero_std=drop_zero_std,
-                                   accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi)
+                                   accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi, min_rows=min_rows)
     return [g for g, k in zip(groups, keep_G.tolist()) if k], removed
 
 
@@ -134,21 +139,33 @@ class Collected:
 
 
 async def collect_groups(run_round, *, want: int, max_rounds: int, drop_zero_std: bool, accuracy_lo: float,
-                         accuracy_hi: float) -> Collected:
+                         accuracy_hi: float, overlong: str = "keep", min_rows: int = 1, strategy: str = "rounds",
+                         seed: int = 0) -> Collected:
     """Dynamic sampling: call ``run_round()`` (an async function returning scored groups) until
     ``want`` groups pass the group filter or ``max_rounds`` rounds are spent. Fewer (even none)
-    kept groups is a valid outcome: the caller trains on what there is or skips the update."""
+    kept groups is a valid outcome: the caller trains on what there is or skips the update.
+
+    ``strategy="oversample"`` (SimpleTIR's release, ``trainer.oversample_multiplier``): one round;
+    ``want`` of the groups that pass are picked at random (``seed``), and a short batch is filled
+    by repeating passing groups (each repeat is its own group in the statistics, as there)."""
     kept: list[Group] = []
     sampled: list[Group] = []
     removed = {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
     rounds = 0
+    if strategy not in SAMPLING_STRATEGIES:
+        raise ValueError(f"sampling strategy must be one of {', '.join(SAMPLING_STRATEGIES)}, got {strategy!r}")
+    if strategy == "oversample":
+        max_rounds = 1
     while len(kept) < want and rounds < max_rounds:
         groups = await run_round()
         rounds += 1
         sampled.extend(groups)
         ok, rem = filter_groups(groups, drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo,
-                                accuracy_hi=accuracy_hi)
+                                accuracy_hi=accuracy_hi, overlong=overlong, min_rows=min_rows)
         for k, v in rem.items():
             removed[k] += v
         kept.extend(ok)
+    if strategy == "oversample" and kept:
+        rng = random.Random(seed)
+        kept = rng.sample(kept, want) if len(kept) >= want else kept + [rng.choice(kept) for _ in range(want - len(kept))]
     return Collected(groups=kept[:want], sampled=sampled, rounds=rounds, removed=removed)
