@@ -23,6 +23,7 @@ import torch
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
+from megatron_tir.finite import NonFiniteTraining
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
@@ -32,6 +33,7 @@ from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream, held_out_problems
+from megatron_tir.train.preempt import StopSignals, agreed
 from megatron_tir.train.metrics import MetricsSink, rollout_metrics
 from megatron_tir.observe.probe import TurnProbe
 from megatron_tir.observe.run_log import StepObserver
@@ -57,15 +59,19 @@ def _timed(timings: dict, name: str):
 
 
 def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None,
-          critic=None) -> TrainerState:
+          critic=None, stop: StopSignals | None = None) -> TrainerState:
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
     ``reference`` a frozen learner of the initial policy (KL term), else None; ``critic`` the value
-    learner of ``trainer.ppo.advantage=gae`` (``megatron_tir.train.critic_update``), else None."""
+    learner of ``trainer.ppo.advantage=gae`` (``megatron_tir.train.critic_update``), else None; ``stop``
+    the run's ``StopSignals`` (a signal ends the run after the step in progress, with a checkpoint)."""
     tc, rank = cfg.trainer, torch.distributed.get_rank()
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     stream = PromptStream(cfg.data, position=state.data_position)
-    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None,
-                       trackers=open_trackers(tc.log, run_dir, state.config)) if rank == 0 else None
+    # a resume drops what steps after its checkpoint wrote (metrics lines, TensorBoard events); a fresh
+    # start in a reused directory (no checkpoint) drops everything an earlier attempt wrote
+    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset,
+                       trackers=open_trackers(tc.log, run_dir, state.config,
+                                              purge_step=state.step + 1 if state.step else 0)) if rank == 0 else None
     observer = StepObserver(cfg, run_dir, tokenizer=worker.tokenizer, sink=sink) if rank == 0 else None
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
@@ -79,7 +85,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         from tqdm import tqdm
 
         steps = tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
-    pending_ckpt_s = None
+    pending_ckpt_s, last_save = None, time.monotonic()
+    nonfinite = 0  # consecutive steps with non-finite gradients or weights
     for step in steps:
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         metrics: dict[str, float] = {}
@@ -109,6 +116,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
         if rt is not None:
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference,
                                      critic=critic, critic_only=step <= cfg.critic.warmup_steps)
+            nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
             # 2. new weights to the engines, paused around the copy.
             with _timed(timings, "sync"):
                 worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
@@ -127,16 +135,35 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
             sink.log(step, metrics | timings | {"time/unix": time.time()})
         # The checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
-        if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
+        stopping, time_due = agreed(stop is not None and stop.received is not None,
+                                    tc.checkpoint.minutes > 0 and time.monotonic() - last_save >= 60 * tc.checkpoint.minutes)
+        if stopping or time_due or step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             if rank == 0:
                 state.metrics_offset = sink.offset
             ckpts.save({POLICY: learner} | ({CRITIC: critic} if critic is not None else {}), state)
-            pending_ckpt_s = time.perf_counter() - t0
+            pending_ckpt_s, last_save = time.perf_counter() - t0, time.monotonic()
+        if stopping:
+            log.warning("stopped after step %d on a signal; the run continues from its checkpoint (--resume)", step)
+            break
     if sink is not None:
         observer.close()
         sink.close()
     return state
+
+
+def _check_finite_steps(step: int, metrics: dict, before: int, limit: int) -> int:
+    """Consecutive non-finite steps so far (every rank sees the same all-reduced flags);
+    NonFiniteTraining once ``limit`` are reached."""
+    skipped, bad_weights = metrics.get("train/skipped_steps", 0.0), metrics.get("train/nonfinite_weights", 0.0)
+    if not (skipped or bad_weights):
+        return 0
+    count = before + 1
+    if count >= limit:
+        cause = "non-finite weights" if bad_weights else "non-finite gradients (every such optimizer step skipped)"
+        raise NonFiniteTraining(f"stopped at step {step}: {count} consecutive steps with {cause} "
+                                f"(trainer.stop_after_nonfinite={limit}); the checkpoints hold only finite weights")
+    return count
 
 
 async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progress: bool):
@@ -202,6 +229,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/advantage_abs_mean": float(update.advantages_B.abs().mean()),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
     } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT) | critic_metrics | correction
