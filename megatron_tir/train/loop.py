@@ -27,7 +27,8 @@ from megatron_tir.finite import NonFiniteTraining
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
-from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
+from megatron_tir.train.batch import (RolloutTensors, build_update, collect_groups, mini_batches, to_tensors,
+                                     with_behaviour_weights)
 from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
@@ -192,6 +193,11 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
             update.batch, critic_metrics = gae_advantages(
                 update.batch, rt.rewards_B[rows], critic, cfg.critic, model_mask_BT=rt.loss_mask_BT[rows],
                 behaviour_BT=old_BT[rows], ref_BT=None if ref_BT is None else ref_BT[rows])
+    correction: dict[str, float] = {}
+    if tc.asynchrony.mode != "off":  # the decoupled objective: old_BT is the proximal policy, the engine's the behaviour
+        update.batch, stats = with_behaviour_weights(update.batch, rt.engine_logprobs_BT[update.rows_B],
+                                                     cap=tc.asynchrony.cap, mode=tc.asynchrony.correction)
+        correction = {f"offpolicy/{k}": v for k, v in stats.items()}
     critic_steps: list[dict[str, float]] = []
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=int(rt.turn_index_BT.max()) + 1)
@@ -226,7 +232,7 @@ def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, 
         "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
         "train/tokens": float(update.batch.attention_mask_BT.sum()) * tc.ppo.epochs,
-    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT) | critic_metrics
+    } | weight_version_metrics(rt.versions_BT, rt.loss_mask_BT) | critic_metrics | correction
     if critic_steps:
         out |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
         out["critic/warmup"] = float(critic_only)
