@@ -7,9 +7,8 @@ the response), 0 for prompt, feedback and padding; ``old_logprobs_BT[b, t]`` is 
 engine's log-prob of that token where the mask is 1, else 0. A trainer that computes
 ``logp(token t | tokens < t)`` from the logits at ``t - 1`` compares against column ``t``.
 Trajectories keep their group order (group-major), ``group_index_B`` says which group
-(prompt) each row belongs to, ``trainable_B`` is False for void trajectories (SimpleTIR),
-failed tool infrastructure and engine aborts -- their rewards still belong to their
-group's statistics.
+(prompt) each row belongs to. Which rows a trainer trains is not decided here
+(:mod:`megatron_tir.rl.rows`).
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ class RolloutBatch:
     rewards_B: torch.Tensor  # float
     group_index_B: torch.Tensor  # long: position of the row's group in the input (0..G-1)
     sample_index_B: torch.Tensor  # long
-    trainable_B: torch.Tensor  # bool: False for void / tool_failed / aborted trajectories
     void_B: torch.Tensor  # bool
 
     @property
@@ -110,6 +108,5 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
         rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
         group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
         sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
-        trainable_B=torch.tensor([t.trainable for _, t in rows], dtype=torch.bool),
         void_B=torch.tensor([t.void for _, t in rows], dtype=torch.bool),
     )

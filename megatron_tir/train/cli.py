@@ -64,6 +64,7 @@ def prepare(args: argparse.Namespace):
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{config_path}: {exc}") from None
         cfg = apply_overrides(cfg, args.overrides)
+    check_inputs(cfg)
     if cfg.trainer.steps <= state.step:
         raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
     recorded = [{"step": state.step + 1, "key": k, "value": v}
@@ -73,11 +74,31 @@ def prepare(args: argparse.Namespace):
     return cfg, run_dir, state
 
 
+def check_inputs(cfg) -> None:
+    """The user's model and data exist and read (ValueError naming them) before anything slow starts."""
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.train.data import PromptStream, held_out_problems
+
+    resolve_model(cfg.model)
+    PromptStream(cfg.data)
+    held_out_problems(cfg.data)
+
+
 def run_train_command(args: argparse.Namespace) -> int:
+    """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2. Once the
+    run has started, an engine or sandbox failure or a stop (``InfrastructureError``) is one line,
+    exit 1; anything else is exit 1 with its traceback in the log (not "bad input")."""
+    from megatron_tir.rollout.factory import InfrastructureError
     from megatron_tir.train.run import run_training
 
     cfg, run_dir, state = prepare(args)
-    state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    try:
+        state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    except InfrastructureError:
+        raise
+    except Exception:  # noqa: BLE001 - a defect or an environment problem mid-run, not the user's input
+        log.exception("training failed at rank %d", _rank())
+        return 1
     if _rank() == 0:
         print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
         for line in held_out_summary(run_dir / "metrics.jsonl"):

@@ -124,6 +124,19 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class StopConfig:
+    """When the run stops because it cannot learn (exit 1 with the cause; nothing new is saved)."""
+    infra_failure_share: float = 0.5  # a step whose trajectories infrastructure ended more than this share of
+    steps_without_update: int = 3  # this many consecutive steps without an optimizer update
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.infra_failure_share <= 1:
+            raise ValueError(f"infra_failure_share must be in [0, 1], got {self.infra_failure_share}")
+        if self.steps_without_update < 1:
+            raise ValueError(f"steps_without_update must be >= 1, got {self.steps_without_update}")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     steps: int = 10
     mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
@@ -133,6 +146,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
     progress: bool = True

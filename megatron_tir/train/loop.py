@@ -1,18 +1,18 @@
 """The GRPO training loop for multi-turn TIR, top to bottom. Every trainer rank runs ``train``.
 
-    prompts -> rollouts (rank 0: async driver, engine, sandbox) -> rewards -> group filter
-    (dynamic sampling) -> batch to every rank (collective) -> old log-probs -> row roles,
-    advantages, token filters -> PPO epochs over mini-batches -> weight sync (engines paused)
-    -> metrics -> held-out evaluation -> run checkpoint
+    rollouts (rank 0 behind the rollout source: engine, sandbox, rewards, group filter, row roles,
+    advantages) -> this rank's rows -> old log-probs -> token filters -> PPO epochs over
+    mini-batches -> weight sync -> metrics -> held-out evaluation -> run checkpoint
 
 Where it departs from the textbook: void trajectories (SimpleTIR) shape their group's
 advantages but get no gradient; infrastructure failures count nowhere (``megatron_tir.rl.rows``).
+The run stops (exit 1, nothing new saved) when it cannot learn: a step mostly ended by
+infrastructure failures (the rollout source), or ``trainer.stop.steps_without_update`` steps
+in a row without an optimizer update.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -21,22 +21,14 @@ from pathlib import Path
 import torch
 
 from megatron_tir.rl import MODES, PolicyLoss
-from megatron_tir.train.batch import RolloutTensors, build_update, collect_groups, mini_batches, to_tensors
+from megatron_tir.train.batch import build_update, mini_batches
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
-from megatron_tir.train.data import PromptStream, held_out_problems
-from megatron_tir.train.metrics import MetricsSink, rollout_metrics
-from megatron_tir.train.schedule import schedule_due, switched
+from megatron_tir.train.data import held_out_problems
+from megatron_tir.train.metrics import open_metrics
+from megatron_tir.train.rollout_source import RolloutSource, StepRollouts, TrainingStopped
 
 log = logging.getLogger(__name__)
-
-
-def _broadcast(obj):
-    if torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @contextmanager
@@ -46,139 +38,113 @@ def _timed(timings: dict, name: str):
     timings[f"time/{name}"] = time.perf_counter() - t0
 
 
-def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, worker, reference=None) -> TrainerState:
-    """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``worker`` is the RolloutWorker on rank 0, else None;
-    ``reference`` a frozen learner of the initial policy (KL term), else None."""
-    tc, rank = cfg.trainer, torch.distributed.get_rank()
+def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, source: RolloutSource,
+          reference=None) -> TrainerState:
+    """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``reference``: a frozen learner of the
+    initial policy (KL term), else None."""
+    tc = cfg.trainer
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
-    stream = PromptStream(cfg.data, position=state.data_position)
-    sink = MetricsSink(run_dir, truncate_to=state.metrics_offset if state.step else None) if rank == 0 else None
+    sink = open_metrics(run_dir, truncate_to=state.metrics_offset if state.step else None)
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
-    lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
-    rollout_cfg = cfg.rollout if state.schedule_switched_at is None else switched(cfg.rollout, tc.turn_schedule)
-    if rank == 0 and state.step == 0 and held_out:
-        sink.log(0, evaluate(cfg, worker, held_out, rollout_cfg) | {"time/unix": time.time()})
-    steps = range(state.step + 1, tc.steps + 1)
-    if rank == 0 and tc.progress:
-        from tqdm import tqdm
-
-        steps = tqdm(steps, desc="train", unit="step")
+    if state.step == 0 and held_out:
+        sink.log(0, source.evaluate(held_out) | {"time/unix": time.time()})
+    steps_without_update = 0
     pending_ckpt_s = None
-    for step in steps:
+    for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
-        metrics: dict[str, float] = {}
-        # 1. rollouts on rank 0, dynamic sampling; the kept groups go to every rank.
-        if rank == 0 and state.schedule_switched_at is None and schedule_due(step, tc.turn_schedule, lengths):
-            rollout_cfg, state.schedule_switched_at = switched(cfg.rollout, tc.turn_schedule), step
-            log.info("turn schedule: %d turns, %d tokens from step %d", rollout_cfg.max_turns,
-                     rollout_cfg.max_response_tokens, step)
-        rt = None
-        with _timed(timings, "rollout"):
-            if rank == 0:
-                one_round = functools.partial(_sample_round, worker, stream, tc.sampling.prompts_per_round, rollout_cfg,
-                                              tc.progress)
-                got = worker.runner.run(collect_groups(one_round, want=tc.sampling.prompts_per_step,
-                                                       max_rounds=tc.sampling.max_rounds, drop_zero_std=tc.filters.drop_zero_std,
-                                                       accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi))
-                metrics |= rollout_metrics(got.sampled)
-                metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
-                metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
-                lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
-                rt = to_tensors(got.groups, pad_id=_pad_id(worker.tokenizer)).as_dict() if got.groups else None
-        rt = _broadcast(rt)
-        if rt is not None:
-            metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference)
-            # 2. new weights to the engines, paused around the copy.
+        # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
+        source.submit(step)
+        got = source.next(step)
+        metrics = dict(got.metrics)
+        # 2. the update, then the new weights to the engines.
+        results = update_policy(cfg, got, learner, timings, temperature, reference, metrics)
+        if results:
             with _timed(timings, "sync"):
-                worker.sync_from(learner) if rank == 0 else learner.sync_weights(None)
-        else:
-            metrics["train/skipped_empty_batch"] = 1.0
-            log.warning("step %d: no group passed the filters; no update", step)
-        state.step, state.data_position = step, _broadcast(stream.position)
-        # 3. held-out evaluation, metrics, checkpoint.
-        if rank == 0:
-            if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
-                with _timed(timings, "eval"):
-                    metrics |= evaluate(cfg, worker, held_out, rollout_cfg)
-            metrics |= {"budget/max_turns": rollout_cfg.max_turns,
-                        "budget/max_response_tokens": rollout_cfg.max_response_tokens, "train/lr": learner.lr}
-            sink.log(step, metrics | timings | {"time/unix": time.time()})
-        # The checkpoint covers this step's metrics line; its save time is logged with the next step.
+                source.sync_weights(learner)
+        steps_without_update = 0 if any(not r.skipped for r in results) else steps_without_update + 1
+        state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
+        # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
+        if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
+            with _timed(timings, "eval"):
+                metrics |= source.evaluate(held_out)
+        max_turns, max_tokens = got.rollout_budget
+        metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
+        sink.log(step, metrics | timings | {"time/unix": time.time()})
+        if steps_without_update >= tc.stop.steps_without_update:
+            raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
+                                  f"trainer.stop.steps_without_update={tc.stop.steps_without_update}): the run "
+                                  f"is learning nothing")
+        # 4. the checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
         if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
-            if rank == 0:
-                state.metrics_offset = sink.offset
+            state.metrics_offset = sink.offset
             ckpts.save(learner, state)
             pending_ckpt_s = time.perf_counter() - t0
-    if sink is not None:
-        sink.close()
+    sink.close()
     return state
 
 
-async def _sample_round(worker, stream: PromptStream, n: int, rollout_cfg, progress: bool):
-    start = stream.position  # group ids are positions in the prompt stream
-    return await worker.arollout(stream.take(n), rollout_cfg, group_id_offset=start, progress=progress)
-
-
-def update_policy(cfg: TrainConfig, rt: RolloutTensors, learner, timings: dict, temperature: float,
-                  reference=None) -> dict:
-    """Old log-probs, advantages and masks, then PPO epochs over mini-batches; the train metrics."""
+def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, temperature: float, reference,
+                  metrics: dict) -> list:
+    """Old log-probs and the mode's token filter, then PPO epochs over mini-batches of this rank's
+    rows (every rank of the world takes the same number of optimizer steps). Adds the train
+    metrics to ``metrics``; returns the step results (none: no row trained this step)."""
     tc = cfg.trainer
+    if got.rows is None:
+        metrics["train/skipped_empty_batch"] = 1.0
+        log.warning("no group passed the filters; no update")
+        return []
+    rows = got.rows
     with _timed(timings, "logprobs"):
         if tc.ppo.old_logprobs == "learner":
-            old_BT = learner.logprobs(rt.tokens_BT, rt.attention_mask_BT, temperature=temperature)
+            old_BT = learner.logprobs(rows.tokens_BT, rows.attention_mask_BT, temperature=temperature, local_rows=True)
         else:
-            old_BT = rt.engine_logprobs_BT
-        ref_BT = None if reference is None else reference.logprobs(rt.tokens_BT, rt.attention_mask_BT,
-                                                                   temperature=temperature)
-    update = build_update(rt, old_BT, mode=tc.mode, advantage=tc.ppo.advantage,
-                          overlong=tc.filters.overlong, low_prob_fraction=tc.filters.low_prob_fraction, ref_logprobs_BT=ref_BT)
+            old_BT = rows.engine_logprobs_BT
+        ref_BT = None if reference is None else reference.logprobs(rows.tokens_BT, rows.attention_mask_BT,
+                                                                   temperature=temperature, local_rows=True)
+    update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
+                          ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
     results = []
     with _timed(timings, "train"):
-        if update.batch.tokens_BT.shape[0]:
-            for _ in range(tc.ppo.epochs):
-                for mb in mini_batches(update, tc.ppo.mini_batches):
-                    results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                      temperature=temperature,
-                                                      with_entropy=tc.loss.entropy_coef > 0))
+        for _ in range(tc.ppo.epochs):
+            for mb in mini_batches(update, got.mini_batches):
+                results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
+                                                  temperature=temperature, with_entropy=tc.loss.entropy_coef > 0,
+                                                  local_rows=True))
     max_ratio = torch.tensor(loss_fn.max_ratio)
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
-    out = {
-        "filter/rows": float(rt.tokens_BT.shape[0]),
-        "filter/rows_void": float(rt.void_B.sum()),
-        "filter/rows_infra": float(rt.infra_B.sum()),
-        "filter/rows_truncated": float(rt.truncated_B.sum()),
-        "filter/rows_in_stats": float(update.stats_B.sum()),
-        "filter/rows_in_loss": float(update.batch.tokens_BT.shape[0]),
-        "filter/low_prob_tokens_masked": float(update.low_prob_masked),
-        "train/advantage_abs_mean": float(update.advantages_B.abs().mean()),
+    metrics |= {
+        "filter/low_prob_tokens_masked": _replica_sum(float(update.low_prob_masked)),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/max_ratio": float(max_ratio),
+        "train/loss": sum(r.loss for r in results) / len(results),
+        "train/grad_norm": sum(r.grad_norm for r in results) / len(results),
+        "train/padding_share": sum(r.padding_share for r in results) / len(results),
     }
-    if results:
-        out["train/loss"] = sum(r.loss for r in results) / len(results)
-        out["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
-        out["train/padding_share"] = sum(r.padding_share for r in results) / len(results)
-        for key in results[0].metrics:
-            out[f"train/{key}"] = sum(r.metrics[key] for r in results) / len(results)
-    return out
+    for key in results[0].metrics:
+        metrics[f"train/{key}"] = sum(r.metrics[key] for r in results) / len(results)
+    return results
 
 
-def evaluate(cfg: TrainConfig, worker, problems, rollout_cfg) -> dict[str, float]:
-    """Held-out reward and TIR behaviour with the current weights (rank 0)."""
-    T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rollout_cfg.temperature
-    ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
-    t0 = time.perf_counter()
-    groups = worker.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
-    return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
+def _progress(steps, *, enabled: bool):
+    """A progress bar over the steps on rank 0 (when ``enabled``)."""
+    if not enabled or torch.distributed.get_rank() != 0:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="train", unit="step")
 
 
-def _pad_id(tokenizer) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    assert pad is not None, "the tokenizer has neither a pad nor an EOS token"
-    return int(pad)
+def _replica_sum(value: float) -> float:
+    """``value`` summed over the data-parallel replicas (one rank per replica counts)."""
+    from megatron.core import parallel_state
+
+    mine = value if parallel_state.get_model_parallel_group().rank() == 0 else 0.0
+    t = torch.tensor([mine], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t.item())
