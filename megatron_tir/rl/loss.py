@@ -94,7 +94,7 @@ class PolicyLoss:
 
     ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
     ``kl_coef > 0``). ``max_ratio`` keeps the largest importance ratio seen on loss tokens
-    since :meth:`reset` (the Learner reports means only). ``high_ratio_bound`` (mode
+    (one object per step; the Learner reports means only). ``high_ratio_bound`` (mode
     high_ratio_filter): tokens whose ratio exceeds it get no loss.
     """
 
@@ -102,9 +102,6 @@ class PolicyLoss:
         assert high_ratio_bound is None or high_ratio_bound > 1
         self.config = config
         self.high_ratio_bound = high_ratio_bound
-        self.max_ratio = 0.0
-
-    def reset(self) -> None:
         self.max_ratio = 0.0
 
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None,

@@ -62,7 +62,7 @@ class RolloutTensors:
 def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
     rb = collate(groups, pad_id=pad_id)
     return RolloutTensors(tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-                          engine_logprobs_BT=rb.old_logprobs_BT, rows=row_summaries(groups))
+                          engine_logprobs_BT=rb.engine_logprobs_BT, rows=row_summaries(groups))
 
 
 def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float

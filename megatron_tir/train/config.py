@@ -25,7 +25,7 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
-from megatron_tir.train.schedule import TurnScheduleConfig
+from megatron_tir.train.turn_schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model

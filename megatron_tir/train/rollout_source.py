@@ -46,7 +46,7 @@ from megatron_tir.train.batch import TrainRows, collect_groups, deal_rows, plan_
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.metrics import rollout_metrics
-from megatron_tir.train.schedule import schedule_due, switched
+from megatron_tir.train.turn_schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
 

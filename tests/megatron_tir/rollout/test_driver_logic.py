@@ -182,7 +182,7 @@ def test_collate_layout(smollm2_tokenizer, sandbox, verifier):
         assert batch.tokens_BT[b, p + r:].eq(0).all() and not batch.attention_mask_BT[b, p + r:].any()
         assert batch.loss_mask_BT[b, :p].eq(0).all()
         assert batch.loss_mask_BT[b, p:p + r].tolist() == [float(m) for m in t.loss_mask]
-        lp = batch.old_logprobs_BT[b]
+        lp = batch.engine_logprobs_BT[b]
         assert lp[p:p + r][batch.loss_mask_BT[b, p:p + r] > 0].eq(SCRIPTED_LOGPROB).all()
         assert lp[batch.loss_mask_BT[b] == 0].eq(0).all()  # feedback NaNs do not leak
     assert not batch.void_B.any()
