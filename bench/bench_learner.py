@@ -10,7 +10,7 @@
 * padding: padding share of the token-budget micro-batches (``plan_microbatches``,
   4096 tokens) for 256 rows whose lengths follow an RL-like mix (prompt 80-400 tokens +
   a log-normal response, cut at 16K), vs padding every row to the longest.
-* sync: bytes/s of ``Learner.sync_weights`` into a ``LocalEngine`` (export + the engine's
+* sync: bytes/s of ``LocalWeightSync.update(learner.named_hf_buckets())`` into a ``LocalEngine`` (export + the engine's
   checked ``update_weights``) vs a plain ``copy_`` of the same tensors into the engine's
   parameters. Median of ``--reps``; ratio = sync / copy (target >= 0.5).
 * memory: peak RSS of a fresh process that builds the learner (TP=1, ``--max-tokens`` per
@@ -49,8 +49,10 @@ def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
     return TrainBatch(tokens_BT=ids, attention_mask_BT=mask, loss_mask_BT=mask.float())
 
 
-def _nll(logprobs_BT, entropy_BT, extras):
-    return -logprobs_BT, {}
+def _nll():
+    from megatron_tir.policy.losses import NLLLoss
+
+    return NLLLoss()
 
 
 def _learner(model: str, **kw):
@@ -82,7 +84,7 @@ def throughput(model: str, rows: int, tokens: int, reps: int) -> dict:
 
     ours, theirs = [], []
     for i in range(reps + 1):  # the first of each is a warm-up
-        ours.append(learner.train_step(batch, _nll).timings["forward_backward"])
+        ours.append(learner.train_step(batch, _nll()).timings["forward_backward"])
         theirs.append(hf_step())
         log.info("rep %d: learner %.2f s, transformers %.2f s", i, ours[-1], theirs[-1])
     n = rows * tokens
@@ -110,6 +112,7 @@ def padding(max_tokens: int = 4096, rows: int = 256) -> dict:
 
 def sync(model: str, reps: int) -> dict:
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+    from megatron_tir.rollout.sync.local import LocalWeightSync
 
     learner = _learner(model)
     named = [item for bucket in learner.hf_weights(256 << 20) for item in bucket]
@@ -121,7 +124,7 @@ def sync(model: str, reps: int) -> dict:
         ours, plain = [], []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            await learner.sync_weights_async(engine)
+            await LocalWeightSync(engine).update(learner.named_hf_buckets())
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -140,7 +143,7 @@ def sync(model: str, reps: int) -> dict:
 def memory_child(model: str, rows: int, tokens: int, max_tokens: int) -> dict:
     learner = _learner(model, max_tokens_per_microbatch=max_tokens)
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    learner.train_step(_batch(learner.spec.vocab_size, rows, tokens), _nll)
+    learner.train_step(_batch(learner.spec.vocab_size, rows, tokens), _nll())
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"part": "memory", "model": model, "batch": f"{rows}x{tokens}",
             "max_tokens_per_microbatch": learner.config.max_tokens_per_microbatch,

@@ -248,7 +248,9 @@ def megatron_to_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -
         with RegionReader(ckpt) as reader, \
                 StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
             copied = 0
-            for p in plans:
+            from tqdm import tqdm
+
+            for p in tqdm(plans, desc="megatron-to-hf", unit="tensor", disable=None, leave=False):  # bar on a TTY
                 template = sharded[MODEL_PREFIX + p.megatron]
                 try:
                     spans = hf_byte_spans(reader, p, template, spec)

@@ -18,8 +18,9 @@ import argparse
 import importlib
 import logging
 import sys
-import warnings
 from collections.abc import Sequence
+
+from megatron_tir.observe.quiet import quiet_dependencies
 
 PROG = "megatron-tir"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -27,12 +28,7 @@ EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
 
 # Modules with a register(subparsers) function, in the order `megatron-tir --help` lists them.
-SUBCOMMAND_MODULES = ("megatron_tir.eval.cli", "megatron_tir.train.cli")
-
-
-# megatron-core warns at import that it falls back to torch kernels without TE / apex:
-# expected on CPU (asking for FP8 without TE is a one-line error of LearnerConfig).
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+SUBCOMMAND_MODULES = ("megatron_tir.eval.cli", "megatron_tir.train.cli", "megatron_tir.observe.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # megatron-core's bucket/config dumps and CPU fallback warnings, HF bars in log files (megatron_tir.observe.quiet)
+    quiet_dependencies(logging.getLogger().getEffectiveLevel())
     from megatron_tir.rollout.factory import InfrastructureError
 
     try:

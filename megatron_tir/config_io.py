@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,14 @@ def _optional(tp):
         if len(args) == 1 and len(args) < len(typing.get_args(tp)):
             return args[0], True
     return tp, False
+
+
+def _finite(value: float, key: str) -> float:
+    """NaN and ±inf are refused for every float field, before the section's own checks (which
+    compare, and ``nan > 0`` / ``nan <= 1`` are both False); see :mod:`megatron_tir.finite`."""
+    if not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value}")
+    return value
 
 
 def _type_name(tp) -> str:
@@ -98,7 +107,7 @@ def _value(tp, value, key: str):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(float(value), key)
     else:
         raise AssertionError(f"unhandled type {tp} at {key}")
     raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r}")
@@ -155,9 +164,10 @@ def parse_text(text: str, tp, key: str):
         raise ValueError(f"{key}: {text!r} is not a bool (true/false)")
     if tp in (int, float):
         try:
-            return tp(text)
+            value = tp(text)
         except ValueError:
             raise ValueError(f"{key}: {text!r} is not {'an int' if tp is int else 'a number'}") from None
+        return _finite(value, key) if tp is float else value
     if tp is str:
         return text
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -89,7 +89,8 @@ class ZygoteProcess:
             # -P: the worker's cwd is not on the zygote's sys.path (nor in the cells' root)
             [sys.executable, "-P", "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
              "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid()),
-             *(["--cell-nice", str(self.cell_nice)] if self.cell_nice is not None else [])],
+             *(["--cell-nice", str(self.cell_nice)] if self.cell_nice is not None else []),
+             "--log-level", _log_level()],
             env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
         )
         theirs.close()
@@ -123,6 +124,13 @@ class ZygoteProcess:
                 self.proc.wait()
         self.proc = None
         self.ready = False
+
+
+def _log_level() -> str:
+    """This process's logging level as a CLI choice: the zygote logs at the worker's level."""
+    level = logging.getLogger().getEffectiveLevel()
+    return "debug" if level <= logging.DEBUG else "info" if level <= logging.INFO else \
+        "warning" if level <= logging.WARNING else "error"
 
 
 class Worker:

@@ -44,3 +44,13 @@ def make_tiny_hf(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def device_check():
+    """The device-check mode (tests/device_check.py): collectives on host tensors and host reads in the
+    micro-batch loop fail as they would on a GPU run; yields the check (``.violations``)."""
+    from device_check import device_check_mode
+
+    with device_check_mode() as check:
+        yield check

@@ -8,6 +8,7 @@ the flag checks (a bad value is a one-line error, exit 2).
 from __future__ import annotations
 
 import argparse
+import math
 
 # flag dest -> (section, field); section "" is EvalConfig itself
 FLAG_FIELDS: dict[str, tuple[str, str]] = {
@@ -25,6 +26,14 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _finite_float(text: str) -> float:
+    """A float flag's value: NaN and ±inf are refused here (argparse names the flag, exit 2)."""
+    value = float(text)  # ValueError: argparse says the flag has an invalid value
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     help_text = "evaluate a model with multi-turn TIR rollouts (avg@k, pass@k, TIR metrics)"
     p = sub.add_parser("eval", help=help_text, description=help_text, argument_default=argparse.SUPPRESS)
@@ -36,23 +45,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-turns", type=int, help="rollout.max_turns")
     p.add_argument("--max-response-tokens", type=int,
                    help="rollout.max_response_tokens: model + feedback tokens per trajectory (default 512)")
-    p.add_argument("--temperature", type=float, help="rollout.temperature")
-    p.add_argument("--top-p", type=float, help="rollout.top_p")
+    p.add_argument("--temperature", type=_finite_float, help="rollout.temperature")
+    p.add_argument("--top-p", type=_finite_float, help="rollout.top_p")
     p.add_argument("--top-k", type=int, help="rollout.top_k (-1: off)")
     p.add_argument("--seed", type=int, help="rollout.seed")
     p.add_argument("--protocol", help="rollout.protocol: default | simpletir (the released SimpleTIR code's)")
     p.add_argument("--void-turn", help="rollout.void_turn: stop | continue")
     p.add_argument("--no-tools", dest="tools", action="store_false", help="rollout.tools=false: text-only, one turn")
-    p.add_argument("--tool-timeout", type=float, help="rollout.tool_timeout_s: seconds per code execution")
+    p.add_argument("--tool-timeout", type=_finite_float, help="rollout.tool_timeout_s: seconds per code execution")
     p.add_argument("--prompt-mode", help="rollout.prompt.mode: plain (base models) | chat (the chat template)")
     p.add_argument("--engine", help="engine.kind: local | sglang")
     p.add_argument("--sglang-url", action="append", help="engine.urls: an SGLang server URL (repeat for several)")
     p.add_argument("--batch-size", type=int, help="engine.max_batch_size: local engine requests decoded together")
     p.add_argument("--sandbox", help="sandbox.address: broker address (default: start a local cluster)")
     p.add_argument("--sandbox-workers", type=int, help="sandbox.workers: workers of the local cluster")
-    p.add_argument("--max-infra-failure-share", type=float,
+    p.add_argument("--max-infra-failure-share", type=_finite_float,
                    help="fail (exit 1) when engine/sandbox failures end more than this share of trajectories")
-    p.add_argument("--probe-timeout", type=float, help="probe_timeout_s: start-up checks of engine and sandbox")
+    p.add_argument("--probe-timeout", type=_finite_float, help="probe_timeout_s: start-up checks of engine and sandbox")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_eval_command)
 

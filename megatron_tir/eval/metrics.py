@@ -43,6 +43,10 @@ This project's own quantities (different names, since they are different quantit
   (statuses ``aborted``, ``tool_failed``) / trajectories.
 * ``mean_response_tokens`` / ``mean_model_tokens`` -- response length (model + feedback
   tokens) and its model part, per trajectory.
+
+``EvalMetrics.diagnostics`` adds :func:`megatron_tir.observe.diagnostics.rollout_diagnostics`:
+NeMo-RL's termination rates, ZeroTIR's curves under ZeroTIR's definitions and the reasoning
+patterns of the correct trajectories (each defined in its module).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_tir.observe.diagnostics import rollout_diagnostics
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus, Trajectory
 from megatron_tir.tir.markup import TurnKind
@@ -129,6 +134,8 @@ class EvalMetrics:
     pass_at_k: float
     tir: dict[str, float]  # trajectory_metrics(): name -> value
     status_counts: dict[str, int] = field(default_factory=dict)
+    # rollout_diagnostics(): NeMo-RL's termination rates, ZeroTIR's curves, the reasoning patterns, ...
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """Human-readable lines; metric names as in the module docstring."""
@@ -150,6 +157,21 @@ class EvalMetrics:
             f"num_valid_code: {m['num_valid_code']:.2f}",
             f"mean_response_tokens: {m['mean_response_tokens']:.1f} (model {m['mean_model_tokens']:.1f})",
             "status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items())),
+            *self.diagnostic_lines(pct),
+        ]
+
+    def diagnostic_lines(self, pct) -> list[str]:
+        d = self.diagnostics
+        if not d:
+            return []
+        return [
+            "reasoning patterns of correct trajectories: " + "   ".join(
+                f"{name}: {pct(d[f'pattern_{name}'])}" for name in ("error_correction", "progressive_reasoning",
+                                                                   "cross_checking")),
+            f"ZeroTIR: avg_repeat_score {d['avg_repeat_score']:.4f}   code_count {d['code_count']:.2f}   "
+            f"code_proportion {pct(d['code_proportion'])}   code_in_correct {pct(d['code_in_correct'])}",
+            f"natural_termination_rate: {pct(d['natural_termination_rate'])}   truncation_rate: "
+            f"{pct(d['truncation_rate'])}   max_turns_reached_rate: {pct(d['max_turns_reached_rate'])}",
         ]
 
 
@@ -177,4 +199,5 @@ def compute_metrics(groups: Sequence[Group], k: int) -> EvalMetrics:
         pass_at_k=sum(passk) / len(passk),
         tir=trajectory_metrics(trajs),
         status_counts=dict(Counter(t.status.value if t.status else "none" for t in trajs)),
+        diagnostics=rollout_diagnostics(trajs),
     )

@@ -17,11 +17,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_tir.finite import check_finite
 from megatron_tir.eval.metrics import EvalMetrics, compute_metrics
+from megatron_tir.observe.dumps import trajectory_record
 from megatron_tir.rollout.batch import Group, flatten
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
@@ -63,6 +66,7 @@ class EvalConfig:
     rollout: RolloutConfig = field(default_factory=_eval_rollout)  # rollout.n_samples is k
 
     def __post_init__(self) -> None:
+        check_finite(self)  # every float setting, sections included (megatron_tir.finite)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if not 0 <= self.max_infra_failure_share <= 1:
@@ -105,20 +109,25 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
     out_path = Path(cfg.out) if cfg.out else None
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
+        # written beside it and renamed once every trajectory is done: an existing file survives a failed eval
+        tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
 
     with contextlib.ExitStack() as stack:
+        if out_path is not None:
+            stack.callback(tmp_path.unlink, missing_ok=True)
         sandbox = None
         if cfg.rollout.tools:
             sandbox = stack.enter_context(open_sandbox(cfg.sandbox))
             asyncio.run(check_sandbox(sandbox, cfg.sandbox, timeout_s=cfg.probe_timeout_s))
         verifier = stack.enter_context(MathVerifier())
         engine, tokenizer = build_engine(cfg.engine, model_dir=model_dir, settings=settings)
-        sink = stack.enter_context(open(out_path, "w")) if out_path else None
+        sink = stack.enter_context(open(tmp_path, "w")) if out_path else None
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {cfg.data}", unit="traj"))
+            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {cfg.data}", unit="traj",
+                                           disable=None))  # a bar on a terminal only
         seen = {"n": 0, "reward": 0.0, "void": 0}
 
         def on_done(traj) -> None:
@@ -126,9 +135,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
             seen["reward"] += traj.reward or 0.0
             seen["void"] += traj.has_void_turn
             if sink is not None:
-                rec = traj.to_json()
-                rec["prompt"] = tokenizer.decode(traj.prompt_ids, skip_special_tokens=False)
-                rec["response"] = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+                rec = trajectory_record(traj, tokenizer)  # the record format of training's rollout dumps
                 sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 sink.flush()
             if bar is not None:
@@ -144,6 +151,9 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
                 await engine.close()
 
         groups = asyncio.run(main())
+        if sink is not None:
+            sink.close()
+            os.replace(tmp_path, out_path)
     check_infrastructure(groups, cfg.max_infra_failure_share)
     metrics = compute_metrics(groups, cfg.k)
     log.info("avg@%d = %.4f over %d problems", cfg.k, metrics.avg_at_k, metrics.problems)

@@ -3,9 +3,10 @@
 Modules: ``spec`` (``ModelSpec`` from an HF config), ``build`` (this rank's GPTModel stage),
 ``parallel`` (process groups, local gloo ranks), ``cpu_compat`` (megatron-core without a GPU),
 ``keymap`` (the one HF <-> Megatron key map), ``checkpoint`` (on-disk layout, HF and torch_dist
-I/O, model save/load), ``weights`` (HF weights into and out of a live model), ``learner``
-(``Learner``: log-probs, train steps, checkpoints, weight sync) with ``learner_config``,
-``microbatch`` and ``vocab_parallel``.
+I/O, model and learner save/load), ``weights`` (HF weights into and out of a live model),
+``learner`` (``Learner``: head-agnostic forward passes and train steps, weight export) with
+``learner_config``, ``losses`` (the policy's log-probs, entropy and losses from its logits,
+and SFT's NLL), ``microbatch`` and ``vocab_parallel``.
 
 Importing this package or a light submodule does not import megatron-core; the learner
 and the model builder do.
@@ -19,6 +20,12 @@ _EXPORTS = {
     "Learner": "megatron_tir.policy.learner",
     "LearnerConfig": "megatron_tir.policy.learner_config",
     "LossFn": "megatron_tir.policy.learner_config",
+    "LossInputs": "megatron_tir.policy.learner_config",
+    "NLLLoss": "megatron_tir.policy.losses",
+    "OutputFn": "megatron_tir.policy.learner_config",
+    "TokenLoss": "megatron_tir.policy.losses",
+    "TokenLossFn": "megatron_tir.policy.learner_config",
+    "TokenOutputs": "megatron_tir.policy.losses",
     "StepResult": "megatron_tir.policy.learner_config",
     "TrainBatch": "megatron_tir.policy.learner_config",
     "ModelSpec": "megatron_tir.policy.spec",

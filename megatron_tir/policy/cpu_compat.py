@@ -23,7 +23,8 @@ What is redirected (and why):
 * ``get_default_causal_mask`` (``device="cuda"`` hard-coded): CPU version, cached per
   length like the original.
 * The CUDA RNG tracker (dropout / weight init under ``fork()``): a tracker with the same
-  interface over the CPU generator.
+  interface over the CPU generator; activation recomputation's save/restore of all RNG
+  states (``_get_all_rng_states`` / ``_set_all_rng_states``) saves the CPU one instead.
 * ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding to CUDA
   (``weight.data.cuda()``) before its all-reduce when PP > 1: wrapped so that, during
   that call only, ``Tensor.cuda()`` leaves CPU tensors where they are.
@@ -102,6 +103,10 @@ PATCHES: tuple[Patch, ...] = (
           marker='device="cuda"', why="causal mask built on CUDA"),
     Patch(module="megatron.core.tensor_parallel.random", attribute="CudaRNGStatesTracker",
           marker="torch.cuda.get_rng_state()", why="CUDA RNG tracker -> CPU generator"),
+    Patch(module="megatron.core.tensor_parallel.random", attribute="_get_all_rng_states",
+          marker="_get_cuda_rng_state(", why="activation recomputation saves the CUDA RNG state"),
+    Patch(module="megatron.core.tensor_parallel.random", attribute="_set_all_rng_states",
+          marker="_set_cuda_rng_state(", why="activation recomputation restores the CUDA RNG state"),
     Patch(module="megatron.core.models.common.language_module.language_module",
           attribute="LanguageModule.setup_embeddings_and_output_layer",
           marker="weight.data.cuda()", why="tied embedding moved to CUDA before its PP all-reduce"),
@@ -216,6 +221,18 @@ def _keep_on_cpu(method):
     return wrapper
 
 
+def _cpu_get_all_rng_states():
+    """``(cpu state, no CUDA state, tracker states)``: the recomputed forward replays the CPU generator."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    return torch.get_rng_state(), None, random.get_cuda_rng_tracker().get_states()
+
+
+def _cpu_set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    torch.set_rng_state(cpu_rng_state)
+    random.get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+
 def _cuda_type_names(fn):
     """``fn`` during which ``Tensor.type()`` names CPU tensors as their CUDA twins
     (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``); conversions (``type(dtype)``) unchanged."""
@@ -226,7 +243,8 @@ def _cuda_type_names(fn):
 
         def type_(t, dtype=None, non_blocking=False, **kw):
             if dtype is None and not kw and t.device.type == "cpu":
-                return original_type(t).replace("torch.", "torch.cuda.", 1)
+                name = original_type(t)  # a torch function mode may already have renamed it
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
             return original_type(t, dtype, non_blocking, **kw)
 
         torch.Tensor.type = type_  # only for the duration of this call
@@ -259,6 +277,10 @@ def _replacement(patch: Patch, current):
         return _cpu_causal_mask
     if patch.attribute == "CudaRNGStatesTracker":
         return _make_cpu_rng_tracker(current)
+    if patch.attribute == "_get_all_rng_states":
+        return _cpu_get_all_rng_states
+    if patch.attribute == "_set_all_rng_states":
+        return _cpu_set_all_rng_states
     if patch.attribute.endswith("setup_embeddings_and_output_layer"):
         return _keep_on_cpu(current)
     if patch.attribute == "clip_grad_by_total_norm_fp32":

@@ -1,13 +1,18 @@
 """The learner's typed records: its config, one mini-batch to train on, one step's result.
 
-``LossFn`` is the contract between the RL maths and the learner: a pure function of
-per-token tensors of one micro-batch, returning a per-token loss (and per-token metrics)
-that the learner masks and aggregates so that the result does not depend on how rows are
-split into micro-batches and data-parallel ranks.
+``LossFn`` is the contract between a head's loss and the learner: a function of the model's
+output for one micro-batch (whatever the model's head produces: for the policy, its
+vocab-parallel logits shard ``[b, L, V/tp]``) and that micro-batch's ``LossInputs`` (token
+ids, mask, row-aligned extras), returning a per-token loss ``[b, L]`` (and per-token
+metrics) that the learner masks and aggregates so that the result does not depend on how
+rows are split into micro-batches and data-parallel ranks. ``OutputFn`` is the forward-only
+counterpart (per-token outputs such as log-probs). The policy's losses, built from the
+vocab-parallel log-prob / entropy helpers, are in ``megatron_tir.policy.losses``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,12 +21,34 @@ import torch
 from megatron_tir.rl.loss import AGGREGATIONS  # noqa: F401 - the Learner checks its aggregation against it
 
 DTYPES = ("float32", "bfloat16")
-FP8_RECIPES = ("e4m3", "hybrid")
+FP8_FORMATS = ("e4m3", "hybrid")  # TransformerConfig.fp8
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")  # TransformerConfig.fp8_recipe
+FP8_AMAX_ALGOS = ("most_recent", "max")  # TransformerConfig.fp8_amax_compute_algo
+RECOMPUTE_GRANULARITIES = ("selective", "full")  # TransformerConfig.recompute_granularity
+RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
+FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs want token counts divisible by 16
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
-# loss_fn(logprobs_BT, entropy_BT or None, extras of the micro-batch) -> (per-token loss_BT, per-token metrics)
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]],
-                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LossInputs:
+    """One micro-batch as a loss sees it: ``tokens_bL`` (its rows, right-padded to the longest),
+    ``mask_bL`` (bool, True on each row's tokens) and ``extras`` (the batch's extras, packed the
+    same way: ``[b]`` or ``[b, L]``), all on the model's device."""
+
+    tokens_bL: torch.Tensor
+    mask_bL: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+
+# loss_fn(model output of the micro-batch, its inputs) -> (per-token loss_bL, per-token metrics {name: [b, L]})
+LossFn = Callable[[torch.Tensor, LossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# output_fn(model output of the micro-batch, its inputs) -> per-token outputs {name: [b, L]} (forward only)
+OutputFn = Callable[[torch.Tensor, LossInputs], dict[str, torch.Tensor]]
+# the policy's per-token loss on log-probs: (logprobs_bL, entropy_bL or None, extras) -> (loss_bL, metrics)
+TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]],
+                       tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,10 +56,18 @@ class LearnerConfig:
     """What the policy learner is: model, layout, precision, optimizer and lr schedule, micro-batching.
 
     ``model``: ``"smollm2"``, ``"tiny-qwen2"``, an HF directory, or a checkpoint / run
-    directory written by the learner or ``tir-ckpt`` (then its weights are loaded; the
-    optimizer state is restored by ``Learner.load``). The lr warms up linearly from 0 over
+    directory written by the trainer or ``tir-ckpt`` (then its weights are loaded; the
+    optimizer state is restored by ``megatron_tir.policy.checkpoint.learner_io.load_learner``). The lr warms up linearly from 0 over
     ``warmup_steps`` optimizer steps (step k uses ``lr * k / warmup_steps``), then follows
     ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_steps`` ("constant": stays at ``lr``).
+
+    Memory: ``sequence_parallel`` and the ``recompute_*`` keys are megatron-core's
+    ``TransformerConfig`` settings of the same names (sequence parallelism needs TP > 1 and
+    Transformer Engine's norms; ``recompute_granularity="full"`` needs ``recompute_method`` and
+    ``recompute_num_layers``; "selective" recomputes core attention). FP8 (Transformer Engine):
+    ``fp8`` is the format, ``fp8_recipe`` / ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``
+    megatron-core's names. Micro-batch lengths are padded to a multiple of
+    :attr:`pad_multiple`: TP under sequence parallelism, 16 under FP8, and ``pad_to_multiple``.
     """
 
     model: str = "smollm2"
@@ -51,7 +86,15 @@ class LearnerConfig:
     grad_clip: float = 1.0
     distributed_optimizer: bool = False
     max_tokens_per_microbatch: int = 4096
-    fp8: str | None = None
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # None | "selective" | "full"
+    recompute_method: str | None = None  # "uniform" | "block" (full recomputation)
+    recompute_num_layers: int | None = None  # layers per unit (uniform) / recomputed layers per stage (block)
+    fp8: str | None = None  # None | "e4m3" | "hybrid"
+    fp8_recipe: str = "delayed"
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    pad_to_multiple: int = 1  # micro-batch lengths are padded to a multiple of this (and of pad_multiple's terms)
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -61,8 +104,20 @@ class LearnerConfig:
             raise ValueError(f"learner.tp and learner.pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"learner.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"learner.fp8 {self.fp8!r} is not one of {', '.join(FP8_RECIPES)} (or null)")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"learner.fp8 {self.fp8!r} is not one of {', '.join(FP8_FORMATS)} (or null)")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"learner.fp8_recipe {self.fp8_recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+        if self.fp8_amax_compute_algo not in FP8_AMAX_ALGOS:
+            raise ValueError(f"learner.fp8_amax_compute_algo {self.fp8_amax_compute_algo!r} is not one of "
+                             f"{', '.join(FP8_AMAX_ALGOS)}")
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"learner.fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
+        if self.sequence_parallel and self.tp < 2:  # megatron-core's ModelParallelConfig refuses it too
+            raise ValueError("learner.sequence_parallel needs learner.tp > 1")
+        self._check_recompute()
+        if self.pad_to_multiple < 1:
+            raise ValueError(f"learner.pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
         if self.warmup_steps < 0:
@@ -81,6 +136,46 @@ class LearnerConfig:
             raise ValueError(f"learner.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"learner.max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
+        if self.max_tokens_per_microbatch < self.pad_multiple:
+            raise ValueError(f"learner.max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) is below the "
+                             f"micro-batch padding multiple {self.pad_multiple}")
+
+    def _check_recompute(self) -> None:
+        """The combinations megatron-core's TransformerConfig accepts, as one-line errors here."""
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g is None:
+            if m is not None or n is not None:
+                raise ValueError("learner.recompute_method / recompute_num_layers need learner.recompute_granularity")
+            return
+        if g not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"learner.recompute_granularity {g!r} is not one of "
+                             f"{', '.join(RECOMPUTE_GRANULARITIES)} (or null)")
+        if g == "selective":
+            if m is not None or n is not None:
+                raise ValueError("learner.recompute_granularity=selective takes no recompute_method / "
+                                 "recompute_num_layers")
+            return
+        if m not in RECOMPUTE_METHODS:
+            raise ValueError(f"learner.recompute_granularity=full needs recompute_method in "
+                             f"{', '.join(RECOMPUTE_METHODS)}, got {m!r}")
+        if n is None or n < 1:
+            raise ValueError(f"learner.recompute_granularity=full needs recompute_num_layers >= 1, got {n}")
+
+    @property
+    def pad_multiple(self) -> int:
+        """Micro-batch lengths are padded to a multiple of this: lcm of TP (sequence parallelism
+        splits the sequence over the TP ranks), 16 (FP8) and ``pad_to_multiple``."""
+        return math.lcm(self.tp if self.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if self.fp8 else 1,
+                        self.pad_to_multiple)
+
+    def transformer_overrides(self) -> dict:
+        """The megatron-core ``TransformerConfig`` settings this config decides (memory and FP8)."""
+        out: dict = dict(sequence_parallel=self.sequence_parallel, recompute_granularity=self.recompute_granularity,
+                         recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers)
+        if self.fp8 is not None:
+            out.update(fp8=self.fp8, fp8_recipe=self.fp8_recipe, fp8_amax_history_len=self.fp8_amax_history_len,
+                       fp8_amax_compute_algo=self.fp8_amax_compute_algo)
+        return out
 
 
 @dataclass(kw_only=True, slots=True)

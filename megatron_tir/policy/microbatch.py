@@ -4,7 +4,10 @@ Each row's tokens are one contiguous span of its ``attention_mask_BT`` (padding 
 side). Rows are dealt to the data-parallel ranks longest first, round robin (balanced
 token counts), then each rank bins its rows, longest first, into micro-batches whose
 padded size ``rows x longest row`` stays within ``max_tokens`` (a row longer than the
-budget gets a micro-batch of its own). A micro-batch holds its rows right-padded to its
+budget gets a micro-batch of its own). Lengths are rounded up to a multiple of ``pad_to``
+(sequence parallelism splits a micro-batch's sequence over the TP ranks; FP8 GEMMs want
+multiples of 16), and the rounded length is what counts against the budget and as padding.
+A micro-batch holds its rows right-padded to its
 longest span, so column ``j`` of a micro-batch row is column ``start + j`` of the
 mini-batch row; ``pack``/``unpack`` move ``[B, T]`` tensors between the two layouts.
 """
@@ -24,10 +27,11 @@ class MicroBatch:
     rows: list[int]
     spans: list[tuple[int, int]]
     weight: float = 1.0
+    pad_to: int = 1  # the length is a multiple of this
 
     @property
     def length(self) -> int:
-        return max(end - start for start, end in self.spans)
+        return _round_up(max(end - start for start, end in self.spans), self.pad_to)
 
     @property
     def real_tokens(self) -> int:
@@ -74,25 +78,32 @@ def row_spans(attention_mask_BT: torch.Tensor) -> list[tuple[int, int] | None]:
     return spans
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def plan_microbatches(attention_mask_BT: torch.Tensor, *, max_tokens: int, dp_rank: int = 0,
-                      dp_size: int = 1) -> list[MicroBatch]:
+                      dp_size: int = 1, pad_to: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches (see the module docstring); never empty."""
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
     spans = row_spans(attention_mask_BT)
     rows = sorted((b for b, s in enumerate(spans) if s is not None), key=lambda b: (-(spans[b][1] - spans[b][0]), b))
     if not rows:
         raise ValueError("the batch has no tokens (attention_mask_BT is all zero)")
     mine = rows[dp_rank::dp_size]
     if not mine:  # fewer rows than data-parallel ranks: a stand-in that counts for nothing
-        return [MicroBatch(rows=[rows[0]], spans=[spans[rows[0]]], weight=0.0)]
+        return [MicroBatch(rows=[rows[0]], spans=[spans[rows[0]]], weight=0.0, pad_to=pad_to)]
     out: list[MicroBatch] = []
     current: list[int] = []
     for b in mine:  # longest first: the first row of a micro-batch sets its length
-        longest = spans[current[0]][1] - spans[current[0]][0] if current else spans[b][1] - spans[b][0]
+        first = current[0] if current else b
+        longest = _round_up(spans[first][1] - spans[first][0], pad_to)
         if current and (len(current) + 1) * longest > max_tokens:
-            out.append(MicroBatch(rows=current, spans=[spans[r] for r in current]))
+            out.append(MicroBatch(rows=current, spans=[spans[r] for r in current], pad_to=pad_to))
             current = []
         current.append(b)
-    out.append(MicroBatch(rows=current, spans=[spans[r] for r in current]))
+    out.append(MicroBatch(rows=current, spans=[spans[r] for r in current], pad_to=pad_to))
     return out
 
 

@@ -24,6 +24,11 @@ from megatron_tir.ports import free_port
 log = logging.getLogger(__name__)
 
 
+def collective_device(group=None) -> torch.device:
+    """The device ``group``'s operands must be on: this rank's GPU under NCCL, the CPU under gloo."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
                   timeout_s: float = 600.0) -> None:

@@ -9,8 +9,8 @@ is the factory of its gate and up halves) is copied into the parameter.
 ``hf_buckets`` is the other way, for weight sync: stage by stage, the stage's first TP
 rank of data-parallel replica 0 gathers each parameter's TP shards (``all_gather`` over the
 TP group), splits it into HF tensors (``keymap.to_hf``) and sends them to global rank 0
-(gloo/nccl point-to-point) unless it is rank 0; rank 0 yields buckets of about
-``bucket_bytes``. A collective: every rank must exhaust the iterator; only rank 0 gets
+(gloo/nccl point-to-point) unless it is rank 0; rank 0 yields ``(stage, tensors)``
+buckets of about ``bucket_bytes`` (a bucket holds one stage's tensors). A collective: every rank must exhaust the iterator; only rank 0 gets
 tensors. Tensors of rank 0's own stage at TP=1 are views of the live parameters (no copy):
 use them before the next optimizer step.
 """
@@ -117,8 +117,9 @@ def _gather_tp(param: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=param.partition_dim)
 
 
-def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of ``(HF name, full tensor)`` on global rank 0 (see the module docstring); collective."""
+def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    """``(stage, [(HF name, full tensor), ...])`` buckets on global rank 0 (see the module docstring);
+    collective."""
     from megatron.core import parallel_state
 
     if bucket_bytes < 1:
@@ -163,7 +164,8 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[list[tuple
                     bucket.append((name, t))
                     size += t.numel() * t.element_size()
                     if size >= bucket_bytes:
-                        yield bucket
+                        yield stage, bucket
                         bucket, size = [], 0
-    if bucket:
-        yield bucket
+        if bucket:
+            yield stage, bucket
+            bucket, size = [], 0

@@ -1,5 +1,6 @@
 """The policy loss: the clipped surrogate (clip-low / clip-high, dual clip), KL and entropy terms,
-the two aggregations, and the per-token loss function handed to ``Learner.train_step``.
+the two aggregations, and the per-token loss function that ``megatron_tir.policy.losses.TokenLoss``
+hands to ``Learner.train_step``.
 
 Per token, with ratio ``rho = exp(logp - logp_old)`` and advantage ``A``::
 
@@ -93,8 +94,10 @@ class PolicyLoss:
     """The Learner's ``LossFn``: ``(logprobs_BT, entropy_BT | None, extras) -> (loss_BT, metrics_BT)``.
 
     ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
-    ``kl_coef > 0``). ``max_ratio`` keeps the largest importance ratio seen on loss tokens
-    (one object per step; the Learner reports means only). ``high_ratio_bound`` (mode
+    ``kl_coef > 0``). ``max_ratio_tensor`` keeps the largest importance ratio seen on loss
+    tokens since :meth:`reset` (the Learner reports means only), on the device of the loss
+    and without reading it to the host (no synchronisation per micro-batch); ``max_ratio``
+    reads it (once per step). ``high_ratio_bound`` (mode
     high_ratio_filter): tokens whose ratio exceeds it get no loss.
     """
 
@@ -102,7 +105,15 @@ class PolicyLoss:
         assert high_ratio_bound is None or high_ratio_bound > 1
         self.config = config
         self.high_ratio_bound = high_ratio_bound
-        self.max_ratio = 0.0
+        self.max_ratio_tensor: torch.Tensor | None = None  # 0-dim, on the loss's device; None: no loss token yet
+
+    def reset(self) -> None:
+        self.max_ratio_tensor = None
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest ratio on loss tokens since :meth:`reset` (0 before any): a host read."""
+        return 0.0 if self.max_ratio_tensor is None else float(self.max_ratio_tensor)
 
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None,
                  extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -110,10 +121,10 @@ class PolicyLoss:
         loss_BT, metrics = clipped_surrogate_BT(logprobs_BT, extras["old_logprobs_BT"], extras["advantages_BT"],
                                                 clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                                 dual_clip=cfg.dual_clip)
-        if "loss_mask_BT" in extras:
-            on = extras["loss_mask_BT"] > 0
-            if on.any():
-                self.max_ratio = max(self.max_ratio, float(metrics["ratio"][on].max()))
+        if "loss_mask_BT" in extras:  # ratios are > 0: masked tokens count as 0
+            seen = torch.where(extras["loss_mask_BT"] > 0, metrics["ratio"], 0.0).max()
+            prev = self.max_ratio_tensor
+            self.max_ratio_tensor = seen if prev is None else torch.maximum(prev, seen)
         if self.high_ratio_bound is not None:
             high_BT = metrics["ratio"] > self.high_ratio_bound
             loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
@@ -124,7 +135,7 @@ class PolicyLoss:
             metrics["kl"] = kl_BT.detach()
         if cfg.entropy_coef > 0:
             if entropy_BT is None:
-                raise ValueError("entropy_coef > 0 needs the entropy (train_step with_entropy=True)")
+                raise ValueError("entropy_coef > 0 needs the entropy (TokenLoss with_entropy=True)")
             loss_BT = loss_BT - cfg.entropy_coef * entropy_BT
         if entropy_BT is not None:
             metrics["entropy"] = entropy_BT.detach()

@@ -4,7 +4,8 @@ Layout of :class:`RolloutBatch` (B trajectories, T = longest prompt + response):
 every ``*_BT`` tensor is aligned with ``tokens_BT``; column ``t`` describes token ``t``.
 ``loss_mask_BT[b, t]`` is 1 when token ``t`` was sampled by the policy (a model token of
 the response), 0 for prompt, feedback and padding; ``engine_logprobs_BT[b, t]`` is the
-engine's log-prob of that token where the mask is 1, else 0. A trainer that computes
+engine's log-prob of that token where the mask is 1, else 0; ``versions_BT[b, t]`` is the
+weight version of the engine that sampled it where the mask is 1, else -1. A trainer that computes
 ``logp(token t | tokens < t)`` from the logits at ``t - 1`` compares against column ``t``.
 Trajectories keep their group order (group-major), ``group_index_B`` says which group
 (prompt) each row belongs to. Which rows a trainer trains is not decided here
@@ -50,6 +51,7 @@ class RolloutBatch:
     attention_mask_BT: torch.Tensor  # bool: real tokens
     loss_mask_BT: torch.Tensor  # float: 1 on policy-sampled response tokens
     engine_logprobs_BT: torch.Tensor  # float: the engine's (behaviour) log-probs where loss_mask is 1, else 0
+    versions_BT: torch.Tensor  # long: weight version that sampled the token where loss_mask is 1, else -1
     response_start_B: torch.Tensor  # long: index of the first response token (= prompt length)
     lengths_B: torch.Tensor  # long: prompt + response length
     rewards_B: torch.Tensor  # float
@@ -78,8 +80,9 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
     for _, t in rows:
         if t.reward is None:
             raise ValueError(f"trajectory {t.group_id}/{t.sample_index} has no reward")
-        if not (len(t.response_ids) == len(t.loss_mask) == len(t.response_logprobs)):
-            raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: ids, mask and log-probs differ in length")
+        if not (len(t.response_ids) == len(t.loss_mask) == len(t.response_logprobs) == len(t.response_versions)):
+            raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: ids, mask, log-probs and versions differ "
+                             "in length")
     lengths = [len(t.prompt_ids) + len(t.response_ids) for _, t in rows]
     T = max(lengths)
     if max_len is not None and T > max_len:
@@ -89,6 +92,7 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
     attn = torch.zeros((B, T), dtype=torch.bool)
     mask = torch.zeros((B, T), dtype=torch.float32)
     old_lp = torch.zeros((B, T), dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
     for b, (_, t) in enumerate(rows):
         p, r = len(t.prompt_ids), len(t.response_ids)
         tokens[b, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
@@ -98,11 +102,14 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
             mask[b, p:p + r] = m
             lp = torch.tensor(t.response_logprobs, dtype=torch.float32)
             old_lp[b, p:p + r] = torch.where(m > 0, lp, torch.zeros_like(lp))
+            v = torch.tensor(t.response_versions, dtype=torch.long)
+            versions[b, p:p + r] = torch.where(m > 0, v, torch.full_like(v, -1))
     return RolloutBatch(
         tokens_BT=tokens,
         attention_mask_BT=attn,
         loss_mask_BT=mask,
         engine_logprobs_BT=old_lp,
+        versions_BT=versions,
         response_start_B=torch.tensor([len(t.prompt_ids) for _, t in rows], dtype=torch.long),
         lengths_B=torch.tensor(lengths, dtype=torch.long),
         rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
@@ -110,3 +117,24 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
         sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
         void_B=torch.tensor([t.void for _, t in rows], dtype=torch.bool),
     )
+
+
+def weight_version_metrics(versions_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+                           current: int | None = None) -> dict[str, float]:
+    """What the trainer logs about the weight versions of the tokens it trains on (``mask_BT`` > 0).
+
+    With ``current`` (the engine's version now, before this step's sync) also the lag: how
+    many syncs ago a token was sampled (0: by the weights being trained; > 0: off-policy).
+    """
+    picked = versions_BT[mask_BT > 0]
+    if picked.numel() == 0:
+        return {}
+    if int(picked.min()) < 0:
+        raise ValueError("a trained token has no weight version (-1): no engine sampled it")
+    out = {"train/weight_version_min": float(picked.min()), "train/weight_version_max": float(picked.max())}
+    if current is not None:
+        lag = current - picked
+        out |= {"train/weight_version_lag_mean": float(lag.float().mean()),
+                "train/weight_version_lag_max": float(lag.max()),
+                "train/weight_version_stale_share": float((lag > 0).float().mean())}
+    return out

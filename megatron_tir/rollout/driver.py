@@ -29,7 +29,8 @@ A sandbox failure is a recorded outcome: the model's errors, timeouts and memory
 become feedback; an infrastructure failure (``sandbox_error``, ``overloaded`` after the
 client's retries, or an exception from the sandbox client) ends the trajectory with
 status ``tool_failed``. What is trained is exactly what was sampled: response ids are the
-engine's ids, in order, with the engine's log-probs.
+engine's ids, in order, with the engine's log-probs and the weight version that sampled
+each of them.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class RolloutConfig:
 class _TurnResult:
     ids: list[int]
     logprobs: list[float]
+    versions: list[int]  # weight version that sampled each id
     finish: FinishReason
     text: str
     requests: int
@@ -207,7 +209,7 @@ class TIRRollout:
                         start=len(traj.response_ids), model_tokens=len(tr.ids), text=tr.text, code=cls.code,
                         answer=cls.answer, requests=tr.requests, generation_s=tr.seconds,
                         discarded_tokens=tr.discarded)
-            traj.append_model_tokens(tr.ids, tr.logprobs)
+            traj.append_model_tokens(tr.ids, tr.logprobs, tr.versions)
             traj.turns.append(turn)
             if cls.answer is not None:
                 answers.append((cls.answer, "model"))
@@ -270,6 +272,7 @@ class TIRRollout:
         proto = self.protocol
         ids: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         requests = 0
         seconds = 0.0
         text = ""
@@ -294,12 +297,14 @@ class TIRRollout:
             requests += 1
             ids.extend(gen.token_ids)
             logprobs.extend(gen.logprobs)
+            versions.extend(gen.versions)
             text = self._decode(ids)
             finish = gen.finish_reason
             if finish is not FinishReason.ABORT and proto.classify(prefix + text, finish).kind is TurnKind.CODE:
                 n = len(ids)
                 ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
                 discarded = n - len(ids)
+                versions = versions[:len(ids)]
                 if discarded:
                     finish = FinishReason.STOP  # the turn ends at the fence, before what the engine ended on
                 break
@@ -312,8 +317,8 @@ class TIRRollout:
             if len(ids) >= budget:
                 finish = FinishReason.LENGTH
                 break
-        return _TurnResult(ids=ids, logprobs=logprobs, finish=finish, text=text, requests=requests, seconds=seconds,
-                           error=error, discarded=discarded)
+        return _TurnResult(ids=ids, logprobs=logprobs, versions=versions, finish=finish, text=text,
+                           requests=requests, seconds=seconds, error=error, discarded=discarded)
 
     def _trim_overshoot(self, ids: list[int], logprobs: list[float], text: str, prefix: str):
         """Keep the turn ending at the token that closes the code block.

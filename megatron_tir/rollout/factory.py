@@ -27,6 +27,7 @@ from pathlib import Path
 
 from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
 from megatron_tir.rollout.sandbox import ClusterSandbox, Sandbox
+from megatron_tir.rollout.sync.base import WeightSync
 from sandbox_cluster.protocol import Status
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,25 @@ def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=N
     return SGLangEngine(settings), AutoTokenizer.from_pretrained(model_dir)
 
 
+def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine) -> WeightSync:
+    """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``); ``await
+    sync.start()`` before the first ``update``, on the engine's event loop."""
+    if cfg.kind == "local":
+        from megatron_tir.rollout.sync.local import LocalWeightSync
+
+        return LocalWeightSync(engine)
+    from megatron_tir.rollout.sync import sglang as ws
+
+    if cfg.colocated:
+        return ws.TensorWeightSync(engine)
+    import socket
+
+    from megatron_tir.ports import free_port
+
+    return ws.DistributedWeightSync(engine, ws.DistributedWeightSyncConfig(master_address=socket.getfqdn(),
+                                                                           master_port=free_port()))
+
+
 @contextlib.contextmanager
 def open_sandbox(cfg: SandboxConfig) -> Iterator[ClusterSandbox]:
     """A sandbox client for ``cfg`` (starting a LocalCluster when it has no address); closed on exit."""
@@ -123,7 +143,12 @@ def open_sandbox(cfg: SandboxConfig) -> Iterator[ClusterSandbox]:
             from sandbox_cluster import LocalCluster
 
             log.info("starting a local sandbox cluster with %d workers", cfg.workers)
-            address = stack.enter_context(LocalCluster(workers=cfg.workers)).address
+            # The cluster's own lines follow this process's logging level, one step quieter at info (only
+            # its problems; its start-up report of protections at debug), as `sandbox-cluster` does for its
+            # throwaway clusters.
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+            level = level if level in ("debug", "warning", "error") else "warning"
+            address = stack.enter_context(LocalCluster(workers=cfg.workers, log_level=level)).address
         sandbox = ClusterSandbox.connect(address)
         stack.callback(sandbox.close)
         yield sandbox

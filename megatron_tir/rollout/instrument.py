@@ -10,17 +10,10 @@ hold exactly the sampled tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_tir.rollout.engines.base import (
-    DEFAULT_PAUSE_MODE,
-    FinishReason,
-    Generation,
-    GenerationEngine,
-    PauseMode,
-    SamplingParams,
-)
+from megatron_tir.rollout.engines.base import FinishReason, Generation, GenerationEngine, SamplingParams
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -67,14 +60,9 @@ class InstrumentedEngine:
             total += cur_e - cur_s
         return total
 
-    async def update_weights(self, named_tensors: Iterable) -> None:
-        await self.engine.update_weights(named_tensors)
-
-    async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
-        await self.engine.pause(mode=mode)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
 
     async def close(self) -> None:
         await self.engine.close()

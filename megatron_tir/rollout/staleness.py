@@ -55,7 +55,8 @@ class StalenessBound:
         self.accepted += 1
 
     def abandoned(self) -> None:
-        """A running group ends without a result (its prompt goes back to the stream)."""
+        """A running group ends without being accepted: the filters rejected it, or it failed
+        (its slot is free again; AReaL's ``on_rollout_rejected``)."""
         assert self.running > 0, "abandoned() without a running group"
         self.running -= 1
 

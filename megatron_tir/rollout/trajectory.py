@@ -3,8 +3,10 @@
 Token-level arrays are aligned with ``response_ids``: position ``i`` is response token
 ``i``; ``loss_mask[i]`` is 1 for a token the policy sampled and 0 for a feedback token
 (tool output) the driver appended; ``response_logprobs[i]`` is the engine's log-prob of
-a sampled token and NaN for a feedback token. The ids are exactly what the engine
-returned: nothing is decoded and re-tokenized.
+a sampled token and NaN for a feedback token; ``response_versions[i]`` is the weight
+version of the engine that sampled token ``i`` (``Generation.versions``) and -1 for a
+feedback token. The ids are exactly what the engine returned: nothing is decoded and
+re-tokenized.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)  # NaN for feedback tokens
     loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 feedback
+    response_versions: list[int] = field(default_factory=list)  # weight version that sampled the token; -1 feedback
     turns: list[Turn] = field(default_factory=list)
     status: FinishStatus | None = None
     void_reason: str | None = None
@@ -121,16 +124,18 @@ class Trajectory:
 
     # -- appending (used by the driver; keeps the three arrays aligned)
 
-    def append_model_tokens(self, ids: list[int], logprobs: list[float]) -> None:
-        assert len(ids) == len(logprobs), "one log-prob per sampled token"
+    def append_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        assert len(ids) == len(logprobs) == len(versions), "one log-prob and one weight version per sampled token"
         self.response_ids.extend(ids)
         self.response_logprobs.extend(float(x) for x in logprobs)
         self.loss_mask.extend([1] * len(ids))
+        self.response_versions.extend(int(v) for v in versions)
 
     def append_feedback_tokens(self, ids: list[int]) -> None:
         self.response_ids.extend(ids)
         self.response_logprobs.extend([math.nan] * len(ids))
         self.loss_mask.extend([0] * len(ids))
+        self.response_versions.extend([-1] * len(ids))
 
     # -- views
 
@@ -182,6 +187,7 @@ class Trajectory:
             out["response_ids"] = list(self.response_ids)
             out["loss_mask"] = list(self.loss_mask)
             out["response_logprobs"] = [None if math.isnan(x) else x for x in self.response_logprobs]
+            out["response_versions"] = list(self.response_versions)
         return out
 
 

@@ -56,13 +56,26 @@ class RolloutTensors:
     attention_mask_BT: torch.Tensor
     loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in plan_update
     engine_logprobs_BT: torch.Tensor  # the engine's log-probs of the sampled tokens (behaviour policy)
+    versions_BT: torch.Tensor  # weight version that sampled each loss token (collate); -1 elsewhere
+    turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
     rows: RowSummaries
 
 
 def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
     rb = collate(groups, pad_id=pad_id)
     return RolloutTensors(tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-                          engine_logprobs_BT=rb.engine_logprobs_BT, rows=row_summaries(groups))
+                          engine_logprobs_BT=rb.engine_logprobs_BT, versions_BT=rb.versions_BT,
+                          turn_index_BT=_turn_index_BT([t for g in groups for t in g.trajectories], rb.tokens_BT.shape),
+                          rows=row_summaries(groups))
+
+
+def _turn_index_BT(trajs, shape) -> torch.Tensor:
+    out = torch.full(shape, -1, dtype=torch.long)
+    for b, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        for turn in t.turns:
+            out[b, p + turn.start:p + turn.start + turn.model_tokens] = turn.index
+    return out
 
 
 def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float
@@ -86,6 +99,8 @@ class TrainRows:
     loss_mask_BT: torch.Tensor  # the row roles applied: 1 on the model tokens that get gradient
     engine_logprobs_BT: torch.Tensor
     advantages_BT: torch.Tensor
+    versions_BT: torch.Tensor  # long: weight version that sampled each loss token, -1 elsewhere
+    turn_index_BT: torch.Tensor  # long: turn index of each model token, -1 elsewhere
     mini_batch_B: torch.Tensor  # long: the mini-batch (0..n-1) the row belongs to
 
     @property
@@ -114,9 +129,15 @@ class TrainRows:
     def cat(parts: Sequence[TrainRows]) -> TrainRows:
         T = max(p.tokens_BT.shape[1] for p in parts)
 
-        def pad(v: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(v, (0, T - v.shape[1])) if v.dim() == 2 else v
-        return TrainRows(**{f.name: torch.cat([pad(getattr(p, f.name)) for p in parts]) for f in fields(TrainRows)})
+        def pad(name: str, v: torch.Tensor) -> torch.Tensor:
+            if v.dim() == 1:
+                return v
+            return torch.nn.functional.pad(v, (0, T - v.shape[1]), value=_PAD.get(name, 0))
+        return TrainRows(**{f.name: torch.cat([pad(f.name, getattr(p, f.name)) for p in parts])
+                            for f in fields(TrainRows)})
+
+
+_PAD = {"versions_BT": -1, "turn_index_BT": -1}  # what a padding column holds (0 elsewhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,7 +167,8 @@ def plan_update(rt: RolloutTensors, *, mode: str, advantage: str, overlong: str,
         mini_batch_B[torch.isin(groups, chunk)] = k
     rows = TrainRows(tokens_BT=rt.tokens_BT[trained_B], attention_mask_BT=rt.attention_mask_BT[trained_B],
                      loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rt.engine_logprobs_BT[trained_B],
-                     advantages_BT=adv_BT[trained_B], mini_batch_B=mini_batch_B)
+                     advantages_BT=adv_BT[trained_B], versions_BT=rt.versions_BT[trained_B],
+                     turn_index_BT=rt.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
     return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B)
 
 
@@ -182,7 +204,8 @@ def build_update(rows: TrainRows, old_logprobs_BT: torch.Tensor, *, mode: str, l
         keep_BT = low_prob_keep_BT(old_logprobs_BT, mask_BT, low_prob_fraction)
         low_prob_masked = int(((1 - keep_BT) * mask_BT).sum())
         mask_BT = mask_BT * keep_BT
-    extras = {"old_logprobs_BT": old_logprobs_BT, "advantages_BT": rows.advantages_BT, "loss_mask_BT": mask_BT}
+    extras = {"old_logprobs_BT": old_logprobs_BT, "advantages_BT": rows.advantages_BT, "loss_mask_BT": mask_BT,
+              "turn_index_BT": rows.turn_index_BT}
     if ref_logprobs_BT is not None:
         extras["ref_logprobs_BT"] = ref_logprobs_BT
     batch = TrainBatch(tokens_BT=rows.tokens_BT, attention_mask_BT=rows.attention_mask_BT, loss_mask_BT=mask_BT,

@@ -1,8 +1,11 @@
-"""Run checkpoints: the learner's dist checkpoint plus the trainer's state, saved atomically.
+"""Run checkpoints: each named learner's checkpoint plus the trainer's state, saved atomically.
 
-Layout of ``RUN_DIR/checkpoints``::
+Layout of ``RUN_DIR/checkpoints`` (documented once, with the policy checkpoint's own layout,
+in ``megatron_tir.policy.checkpoint.layout``)::
 
-    step_N/learner/          Learner.save (model + optimizer + scheduler; every rank writes its part)
+    step_N/policy/           the policy learner: a policy checkpoint (``learner_io.save_learner``:
+                             model + optimizer + scheduler; every rank writes its part), the layout
+                             ``tir-ckpt`` reads; later learners (``critic``) sit beside it by name
     step_N/trainer_state.json  step, data position, metrics pointer, override history, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
     latest                   a text file naming the newest complete step directory
@@ -20,16 +23,20 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import CHECKPOINTS_DIR, LATEST, STEP_PREFIX, latest_step
+from megatron_tir.policy.checkpoint.layout import TRAINER_STATE as STATE
+
 log = logging.getLogger(__name__)
 
-LATEST = "latest"
-STATE = "trainer_state.json"
+_LEARNER_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,36 +100,51 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-class RunCheckpoints:
-    """Saves and finds the run checkpoints of ``run_dir`` (every rank calls save/load together)."""
+def _check_learners(learners: Mapping) -> None:
+    if not isinstance(learners, Mapping) or not learners:
+        raise ValueError("run checkpoints take the learners by name, e.g. {'policy': learner}")
+    for name in learners:
+        if not isinstance(name, str) or not _LEARNER_NAME.fullmatch(name):
+            raise ValueError(f"learner name {name!r} must be lower-case letters, digits and _")
 
-    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int) -> None:
+
+class RunCheckpoints:
+    """Saves and finds the run checkpoints of ``run_dir`` (every rank calls save/load together).
+
+    ``save_learner(learner, dir)`` / ``load_learner(learner, dir)`` write and read one learner's
+    checkpoint; by default ``megatron_tir.policy.checkpoint.learner_io``'s."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int,
+                 save_learner: Callable | None = None, load_learner: Callable | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.keep_last = keep_last
+        if save_learner is None or load_learner is None:
+            from megatron_tir.policy.checkpoint import learner_io
+
+            save_learner = save_learner or learner_io.save_learner
+            load_learner = load_learner or learner_io.load_learner
+        self._save_learner, self._load_learner = save_learner, load_learner
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory, or None."""
-        pointer = self.dir / LATEST
-        if not pointer.is_file():
-            return None
-        path = self.dir / pointer.read_text().strip()
-        if not (path / STATE).is_file():
-            raise ValueError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-        return path
+        return latest_step(self.dir.parent)
 
-    def save(self, learner, state: TrainerState) -> Path:
+    def save(self, learners: Mapping, state: TrainerState) -> Path:
+        """Save every learner of ``learners`` (name -> learner) and ``state`` as ``step_N``."""
+        _check_learners(learners)
         rank, _ = _rank()
-        final = self.dir / f"step_{state.step}"
-        tmp = self.dir / f".tmp-step_{state.step}"
+        final = self.dir / f"{STEP_PREFIX}{state.step}"
+        tmp = self.dir / f".tmp-{STEP_PREFIX}{state.step}"
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for old in self.dir.glob(".tmp-*"):
                 shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir()
         _barrier()
-        learner.save(tmp / "learner")
+        for name, learner in learners.items():
+            self._save_learner(learner, tmp / name)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         _barrier()
         if rank == 0:
@@ -145,18 +167,26 @@ class RunCheckpoints:
         return final
 
     def _prune(self, *, keep: Path) -> None:
-        steps = sorted((p for p in self.dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+        steps = sorted((p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir()),
+                       key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
         for old in steps[:-self.keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, learner, path: Path | None = None) -> TrainerState:
-        """Restore ``learner`` and this rank's RNG from ``path`` (default: latest); the trainer state."""
+    def load(self, learners: Mapping, path: Path | None = None) -> TrainerState:
+        """Restore each of ``learners`` (by name) and this rank's RNG from ``path`` (default: latest);
+        the trainer state."""
+        _check_learners(learners)
         rank, _ = _rank()
         path = _broadcast_path((path or self.latest()) if rank == 0 else None)
         if path is None or not (path / STATE).is_file():
             raise ValueError(f"no complete checkpoint in {self.dir}")
-        learner.load(path / "learner")
+        missing = [name for name in learners if not (path / name).is_dir()]
+        if missing:
+            raise ValueError(f"checkpoint {path} has no learner {missing[0]!r} "
+                             f"(it holds: {', '.join(sorted(p.name for p in path.iterdir() if p.is_dir()))})")
+        for name, learner in learners.items():
+            self._load_learner(learner, path / name)
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():  # absent when the world size changed: RNG streams start fresh
             set_rng_state(torch.load(rng, weights_only=False))

@@ -1,8 +1,7 @@
-"""``megatron-tir train`` and ``megatron-tir plot``: argument parsing and run setup.
+"""``megatron-tir train``: argument parsing and run setup.
 
     megatron-tir train --recipe NAME [--set key=value ...] --out RUN_DIR
     megatron-tir train --resume RUN_DIR [--set key=value ...]
-    megatron-tir plot RUN_DIR
 
 Every trainer rank runs ``train`` (torchrun/SPMD; RANK/WORLD_SIZE from the environment,
 one process without them). Everything typed is checked before anything slow starts.
@@ -118,24 +117,11 @@ def held_out_summary(metrics_path: Path) -> list[str]:
     return lines
 
 
-def add_plot_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR")
-
-
-def run_plot_command(args: argparse.Namespace) -> int:
-    from megatron_tir.train.metrics import plot_run
-
-    for path in plot_run(args.run_dir):
-        print(path)
-    return 0
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``train`` and ``plot`` to the ``megatron-tir`` subcommands."""
+    """Add ``train`` to the ``megatron-tir`` subcommands (``plot`` lives in :mod:`megatron_tir.observe.cli`)."""
     for name, help_text, add_args, func in (
             ("train", "GRPO training with multi-turn TIR rollouts (recipes, --set overrides, --resume)",
-             add_train_args, run_train_command),
-            ("plot", "write PNG curves of a run's metrics into RUN_DIR/plots", add_plot_args, run_plot_command)):
+             add_train_args, run_train_command),):
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(func=func)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megatron_tir import config_io
+from megatron_tir.finite import check_finite
+from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
@@ -147,6 +149,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     seed: int = 0
     progress: bool = True
@@ -180,6 +183,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)

@@ -13,6 +13,7 @@ in a row without an optimizer update.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -20,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.observe.probe import TurnProbe
+from megatron_tir.observe.run_log import StepObserver
+from megatron_tir.observe.trackers import open_trackers
+from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.losses import TokenLoss
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import build_update, mini_batches
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
@@ -44,11 +51,14 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     initial policy (KL term), else None."""
     tc = cfg.trainer
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
-    sink = open_metrics(run_dir, truncate_to=state.metrics_offset if state.step else None)
+    sink = open_metrics(run_dir, truncate_to=state.metrics_offset if state.step else None,
+                        trackers=lambda: open_trackers(tc.log, run_dir, state.config))
+    observer = StepObserver(cfg, run_dir, tokenizer=source.tokenizer, sink=sink) if source.rank == 0 else _NoObserver()
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
     if state.step == 0 and held_out:
-        sink.log(0, source.evaluate(held_out) | {"time/unix": time.time()})
+        sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
+                 | {"time/unix": time.time()})
     steps_without_update = 0
     pending_ckpt_s = None
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
@@ -56,6 +66,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
         source.submit(step)
         got = source.next(step)
+        observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
         # 2. the update, then the new weights to the engines.
         results = update_policy(cfg, got, learner, timings, temperature, reference, metrics)
@@ -67,9 +78,10 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
         if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
             with _timed(timings, "eval"):
-                metrics |= source.evaluate(held_out)
+                metrics |= source.evaluate(held_out, observe=functools.partial(observer.held_out, step))
         max_turns, max_tokens = got.rollout_budget
         metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
+        metrics |= observer.end_step(step, metrics | timings)
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
@@ -80,8 +92,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             state.metrics_offset = sink.offset
-            ckpts.save(learner, state)
+            ckpts.save({POLICY: learner}, state)
             pending_ckpt_s = time.perf_counter() - t0
+    observer.close()
     sink.close()
     return state
 
@@ -107,15 +120,17 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, t
     update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
                           ref_logprobs_BT=ref_BT)
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
-    loss_fn = PolicyLoss(tc.loss, high_ratio_bound=bound)
+    loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=got.turns)
+    token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
     results = []
-    with _timed(timings, "train"):
+    with _timed(timings, "train"), _phase_bar(tc.progress, "update", tc.ppo.epochs * got.mini_batches) as bar:
         for _ in range(tc.ppo.epochs):
             for mb in mini_batches(update, got.mini_batches):
-                results.append(learner.train_step(mb, loss_fn, aggregation=tc.loss.aggregation,
-                                                  temperature=temperature, with_entropy=tc.loss.entropy_coef > 0,
-                                                  local_rows=True))
-    max_ratio = torch.tensor(loss_fn.max_ratio)
+                results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation, local_rows=True))
+                bar.update(1)
+    max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
+    if max_ratio is None:
+        max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     metrics |= {
         "filter/low_prob_tokens_masked": _replica_sum(float(update.low_prob_masked)),
@@ -126,9 +141,33 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, t
         "train/grad_norm": sum(r.grad_norm for r in results) / len(results),
         "train/padding_share": sum(r.padding_share for r in results) / len(results),
     }
-    for key in results[0].metrics:
-        metrics[f"train/{key}"] = sum(r.metrics[key] for r in results) / len(results)
+    means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
+    metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return results
+
+
+class _NoObserver:
+    """The step observer of the ranks that write nothing (all but rank 0)."""
+
+    def sampled(self, step: int, collected) -> None:
+        pass
+
+    def held_out(self, step: int, groups) -> None:
+        pass
+
+    def end_step(self, step: int, metrics: dict) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def _phase_bar(progress: bool, desc: str, total: int):
+    """A progress bar of optimizer steps on rank 0 when ``progress`` and stderr is a terminal."""
+    from tqdm import tqdm
+
+    show = progress and torch.distributed.get_rank() == 0
+    return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None if show else True)
 
 
 def _progress(steps, *, enabled: bool):
@@ -137,7 +176,7 @@ def _progress(steps, *, enabled: bool):
         return steps
     from tqdm import tqdm
 
-    return tqdm(steps, desc="train", unit="step")
+    return tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
 
 
 def _replica_sum(value: float) -> float:

@@ -6,7 +6,10 @@ and this project's ``void_trajectory_ratio``, ``code_trajectory_ratio``, ``corre
 ... -- defined there); the trainer adds
 reward/accuracy over every sampled trajectory, feedback tokens, and the mean engine log-prob
 of the model tokens of each turn index (``logprob_turn_K``, SimpleTIR's Figure 3 signal:
-it falls in later turns when feedback drifts the model off its distribution).
+it falls in later turns when feedback drifts the model off its distribution), and the
+diagnostics of :func:`megatron_tir.observe.diagnostics.rollout_diagnostics` (per-turn minimum
+log-prob and low-probability share, response-length percentiles, budget hits, void reasons,
+NeMo-RL's termination rates, ZeroTIR's code-use curves, reasoning patterns).
 """
 
 from __future__ import annotations
@@ -19,20 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_tir.eval.metrics import trajectory_metrics
+from megatron_tir.observe.diagnostics import rollout_diagnostics
 from megatron_tir.rollout.batch import Group
 
 METRICS_FILE = "metrics.jsonl"
-PLOTS = {  # file name -> metric keys drawn together
-    "reward.png": ("rollout/reward", "eval/reward"),
-    "code_use.png": ("rollout/code_trajectory_ratio", "eval/code_trajectory_ratio", "rollout/code_use_ratio",
-                     "rollout/valid_code_ratio"),
-    "void.png": ("rollout/void_trajectory_ratio", "rollout/void_turn_ratio", "rollout/void_turn_share"),
-    "response_length.png": ("rollout/mean_model_tokens", "rollout/mean_feedback_tokens"),
-    "turns.png": ("rollout/num_turns",),
-    "train.png": ("train/loss", "train/grad_norm"),
-    "clip.png": ("train/clip_low", "train/clip_high", "train/dual_clip"),
-    "timing.png": ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/checkpoint"),
-}
 
 
 def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[str, float]:
@@ -60,23 +53,26 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
                 by_turn.setdefault(turn.index, []).extend(lp)
     for k, lps in sorted(by_turn.items()):
         out[f"logprob_turn_{k}"] = sum(lps) / len(lps)
+    out |= rollout_diagnostics(trajs)
     return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
 class MetricsSink:
-    """Appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` and writes TensorBoard events
-    to ``RUN_DIR/tb`` (rank 0 only)."""
+    """Appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` and hands the same metrics to
+    the trackers (:mod:`megatron_tir.observe.trackers`; default: TensorBoard in ``RUN_DIR/tb``). Rank 0 only."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, truncate_to: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(self, run_dir: str | os.PathLike, *, truncate_to: int | None = None, trackers=None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_to is not None and self.path.exists():  # a resume drops lines of steps run after the checkpoint
             with open(self.path, "r+b") as f:
                 f.truncate(truncate_to)
+        if trackers is None:
+            from megatron_tir.observe.trackers import TensorBoardTracker
+
+            trackers = [TensorBoardTracker(Path(run_dir), None)]
+        self._trackers = list(trackers)
         self._file = open(self.path, "a")
-        self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     @property
     def offset(self) -> int:
@@ -87,14 +83,18 @@ class MetricsSink:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, **clean}) + "\n")
         self._file.flush()
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        for t in self._trackers:
+            t.log_metrics(step, metrics)
+
+    def log_samples(self, step: int, name: str, rows) -> None:
+        """A few rendered trajectories for the trackers' text / table views."""
+        for t in self._trackers:
+            t.log_samples(step, name, rows)
 
     def close(self) -> None:
         self._file.close()
-        self._tb.close()
+        for t in self._trackers:
+            t.close()
 
 
 class NoMetrics:
@@ -109,13 +109,13 @@ class NoMetrics:
         pass
 
 
-def open_metrics(run_dir: str | os.PathLike, *, truncate_to: int | None = None) -> MetricsSink | NoMetrics:
-    """Rank 0's :class:`MetricsSink`; :class:`NoMetrics` on the other ranks."""
+def open_metrics(run_dir: str | os.PathLike, *, truncate_to: int | None = None, trackers=None) -> MetricsSink | NoMetrics:
+    """Rank 0's :class:`MetricsSink` (``trackers()``: its trackers); :class:`NoMetrics` on the other ranks."""
     import torch
 
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return NoMetrics()
-    return MetricsSink(run_dir, truncate_to=truncate_to)
+    return MetricsSink(run_dir, truncate_to=truncate_to, trackers=None if trackers is None else trackers())
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -126,32 +126,7 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """PNG curves of the main metrics into ``RUN_DIR/plots``; the files written."""
-    import matplotlib
+    """PNG curves and the dashboard of one run into ``RUN_DIR/plots`` (:mod:`megatron_tir.observe.plots`)."""
+    from megatron_tir.observe.plots import plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir)
-    if not rows:
-        raise ValueError(f"{run_dir}: {METRICS_FILE} is empty")
-    out_dir = Path(run_dir) / "plots"
-    out_dir.mkdir(exist_ok=True)
-    written = []
-    for name, keys in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        drawn = False
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
-                drawn = True
-        if drawn:
-            ax.set_xlabel("step")
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(out_dir / name, dpi=100)
-            written.append(out_dir / name)
-        plt.close(fig)
-    return written
+    return plot_runs([run_dir])

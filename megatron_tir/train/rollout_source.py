@@ -42,7 +42,9 @@ import torch
 
 from megatron_tir.rollout.factory import InfrastructureError
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
-from megatron_tir.train.batch import TrainRows, collect_groups, deal_rows, plan_update, to_tensors
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.sync import drain
+from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.metrics import rollout_metrics
@@ -66,6 +68,8 @@ class StepRollouts:
     data_position: int  # the prompt stream's position after the step
     schedule_switched_at: int | None
     rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
+    turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
+    collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
 
 
 # ----------------------------------------------------------------------------- the hand-off
@@ -240,18 +244,18 @@ class RolloutSource:
         key = f"step/{step}"
         if self.rank != 0:
             header, rows = self._handoff.receive(key, what=f"step {step}'s rollouts")
-            return self._result(header, rows, {})
+            return self._result(header, rows, {}, None)
         try:
-            header, shares, metrics = self._produce(step)
+            header, shares, metrics, got = self._produce(step)
         except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
             self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {type(exc).__name__}: "
                                                 f"{' '.join(str(exc).split())[:300]}"})
             raise
         self._handoff.publish(key, header, shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
-        return self._result(header, None if shares is None else shares[0], metrics)
+        return self._result(header, None if shares is None else shares[0], metrics, got)
 
-    def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict]:
+    def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
         t0, future = self._pending.pop(step)
         got = future.result()
         tc = self.cfg.trainer
@@ -261,7 +265,7 @@ class RolloutSource:
         self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
         header = {"data_position": self.stream.position, "schedule_switched_at": self.schedule_switched_at,
                   "budget": [self._rollout_cfg.max_turns, self._rollout_cfg.max_response_tokens],
-                  "mini_batches": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
+                  "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
         shares = None
         if got.groups and header["stop"] is None:
             rt = to_tensors(got.groups, pad_id=self._pad_id)
@@ -274,21 +278,31 @@ class RolloutSource:
                         "filter/rows_in_loss": float(plan.trained_B.sum()),
                         "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
             if plan.rows.batch_size:
-                shares = deal_rows(plan.rows, self._handoff.dp_size)
-                header["mini_batches"] = int(plan.rows.mini_batch_B.max()) + 1
+                r = plan.rows
+                shares = deal_rows(r, self._handoff.dp_size)
+                header["mini_batches"] = int(r.mini_batch_B.max()) + 1
+                header["turns"] = int(r.turn_index_BT.max()) + 1
+                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT)
+                metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
         metrics["time/rollout"] = time.perf_counter() - t0
-        return header, shares, metrics
+        return header, shares, metrics, got
 
-    def _result(self, header: dict, rows: TrainRows | None, metrics: dict) -> StepRollouts:
+    def _result(self, header: dict, rows: TrainRows | None, metrics: dict, collected: Collected | None) -> StepRollouts:
         if header["stop"] is not None:
             raise TrainingStopped(header["stop"])
         self.schedule_switched_at = header["schedule_switched_at"]
         return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
                             data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
-                            rollout_budget=tuple(header["budget"]))
+                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected)
 
-    def evaluate(self, problems) -> dict[str, float]:
-        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere)."""
+    @property
+    def tokenizer(self):
+        """Rank 0's engine tokenizer (None elsewhere)."""
+        return None if self.service is None else self.service.tokenizer
+
+    def evaluate(self, problems, observe=None) -> dict[str, float]:
+        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere);
+        ``observe(groups)`` sees the groups."""
         if self.rank != 0 or not problems:
             return {}
         cfg, rc = self.cfg, self._rollout_cfg
@@ -296,6 +310,8 @@ class RolloutSource:
         ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
         t0 = time.perf_counter()
         groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
+        if observe is not None:
+            observe(groups)
         return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
 
     def sync_weights(self, learner) -> None:
@@ -303,7 +319,7 @@ class RolloutSource:
         if self.rank == 0:
             self.service.sync_from(learner)
         else:
-            learner.sync_weights(None)
+            drain(learner.named_hf_buckets())
 
     def close(self) -> None:
         self._handoff.close()

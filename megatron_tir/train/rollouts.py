@@ -4,22 +4,21 @@ thread (:class:`~megatron_tir.train.event_loop.EventLoopThread`), so the main th
 while rollouts run. At start the sandbox and the engine are checked the way ``eval`` checks
 them (``probe_sandbox`` / ``probe_engine``): a run does not start against one that is not there.
 
-Engines are paused around a weight sync and resumed after it (``sync_from``); a
-trajectory in flight never straddles a sync, because a step's rollouts have all finished
-before the update starts.
+New weights reach the engine through its weight sync (``sync_from``; the sync pauses and
+resumes the engine); a trajectory in flight never straddles a sync, because a step's
+rollouts have all finished before the update starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
-from megatron_tir.rollout.factory import (EngineConfig, SandboxConfig, build_engine, check_engine, check_sandbox,
-                                         open_sandbox)
+from megatron_tir.rollout.factory import (EngineConfig, SandboxConfig, build_engine, build_weight_sync, check_engine,
+                                         check_sandbox, open_sandbox)
 from megatron_tir.train.event_loop import EventLoopThread
 
 log = logging.getLogger(__name__)
@@ -49,19 +48,9 @@ class RolloutService:
         self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
         self.runner.run(check_engine(self.engine, self.tokenizer, engine_cfg))
-        self.weight_sync = None  # SGLang: the connected sender that Learner.sync_weights drives
-        if engine_cfg.kind == "sglang":
-            from megatron_tir.policy import weight_sync as ws
-
-            if engine_cfg.colocated:
-                self.weight_sync = ws.TensorWeightSync(self.engine)
-            else:
-                from megatron_tir.ports import free_port
-
-                self.weight_sync = ws.DistributedWeightSync(self.engine, ws.DistributedWeightSyncConfig(
-                    master_address=socket.getfqdn(), master_port=free_port()))
-                self.runner.run(self.weight_sync.connect())
-                self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
+        self.weight_sync = build_weight_sync(engine_cfg, self.engine)
+        self.runner.run(self.weight_sync.start())
+        self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
     def submit(self, coro):
         """Schedule ``coro`` on the service's event loop; a ``concurrent.futures.Future`` of its result."""
@@ -79,21 +68,13 @@ class RolloutService:
             return await driver.run(problems, group_id_offset=group_id_offset)
         from tqdm import tqdm
 
-        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False) as bar:
+        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
-    def sync_from(self, learner) -> None:
-        """The learner's current weights into the engine, paused around the copy (collective:
-        the other ranks call ``learner.sync_weights(None)`` at the same time). SGLang: the
-        weight-sync sender pauses, loads, flushes and resumes the servers itself."""
-        if self.weight_sync is not None:
-            self.runner.run(learner.sync_weights_async(self.weight_sync))
-            return
-        self.runner.run(self.engine.pause())
-        try:
-            self.runner.run(learner.sync_weights_async(self.engine))
-        finally:
-            self.runner.run(self.engine.resume())
+    def sync_from(self, learner) -> int:
+        """The learner's current weights into the engine; returns its new weight version
+        (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
+        return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
 
     def close(self) -> None:
         self._stack.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint.layout import POLICY
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
@@ -31,9 +32,9 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
-        reference = Learner(cfg.learner) if cfg.trainer.loss.kl_coef > 0 else None
+        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 else None
         if resume:
-            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(learner)
+            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load({POLICY: learner})
             state.step, state.data_position = loaded.step, loaded.data_position
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)

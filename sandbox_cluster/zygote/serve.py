@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", required=True)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--cell-nice", type=int)
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s zygote[uid {args.uid}] %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s zygote[uid {args.uid}] %(levelname)s %(message)s")
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent:
         return 1

@@ -11,8 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from checkpoints_tools.convert import megatron_to_hf
-from megatron_tir.policy.checkpoint.layout import (CHECKPOINTS_DIR, LATEST_FILE, META_NAME, iteration_dir, read_meta,
-                                      resolve_checkpoint)
+from megatron_tir.policy.checkpoint.layout import POLICY, read_meta, resolve_checkpoint
 
 
 def _assert_same_tensors(src_dir, out_dir, tied: bool):
@@ -78,16 +77,22 @@ def test_exported_dir_loads_in_transformers_with_identical_logits(make_tiny_hf, 
 
 
 def test_sharded_export_and_run_dir_resolution(make_tiny_hf, convert_once, tmp_path):
-    """A run dir (checkpoints/iter_N + latest file) resolves to its latest iteration."""
+    """A run dir (as RunCheckpoints writes it) resolves to the policy of the step ``latest`` names,
+    a step dir to its policy; the export splits into shards."""
+    from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
+
     hf_dir = make_tiny_hf("llama", tie_word_embeddings=False)
     ckpt = convert_once(hf_dir)
     run = tmp_path / "run"
-    for it in (50, 100):
-        shutil.copytree(ckpt, iteration_dir(run, it))
-    (run / CHECKPOINTS_DIR / LATEST_FILE).write_text("50\n")
-    assert resolve_checkpoint(run) == iteration_dir(run, 50)
-    (run / CHECKPOINTS_DIR / LATEST_FILE).unlink()
-    assert resolve_checkpoint(run) == iteration_dir(run, 100)
+    ck = RunCheckpoints(run, keep_last=2, save_learner=lambda learner, d: shutil.copytree(learner, d),
+                        load_learner=None)
+    for step in (50, 100):
+        ck.save({POLICY: ckpt}, TrainerState(step=step))
+    step_dir = run / "checkpoints" / "step_100"
+    assert resolve_checkpoint(run) == step_dir / POLICY == resolve_checkpoint(step_dir)
+    assert resolve_checkpoint(run / "checkpoints" / "step_50") == run / "checkpoints" / "step_50" / POLICY
+    (run / "checkpoints" / "latest").write_text("step_50")
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step_50" / POLICY
     out = megatron_to_hf(run, tmp_path / "hf", max_shard_bytes=2**20)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -96,7 +101,11 @@ def test_sharded_export_and_run_dir_resolution(make_tiny_hf, convert_once, tmp_p
     for name, fname in index["weight_map"].items():
         with safe_open(out / fname, "pt") as f:
             assert torch.equal(f.get_tensor(name), ref[name]), name
-    assert (iteration_dir(run, 100) / META_NAME).is_file()
+    (run / "checkpoints" / "latest").unlink()
+    with pytest.raises(ValueError, match="no complete checkpoint yet"):
+        resolve_checkpoint(run)
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        resolve_checkpoint(tmp_path)
 
 
 def test_hf_to_megatron_writes_in_process_and_megatron_core_reads_it(make_tiny_hf, tmp_path):

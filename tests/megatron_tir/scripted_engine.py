@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from megatron_tir.rollout.engines.base import DEFAULT_PAUSE_MODE, FinishReason, Generation, SamplingParams
+from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
 from megatron_tir.rollout.engines.stop import StopStringMatcher
 
 SCRIPTED_LOGPROB = -0.25
@@ -33,6 +33,7 @@ class ScriptedEngine:
         self.fail_on_call = fail_on_call  # raise on this call index (a server error)
         self.eos_token_ids = (tokenizer.eos_token_id,)
         self.calls: list[dict] = []  # every request: prompt length, params, output, timing
+        self.weight_version = 0  # a script has no weights; a test may set it
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         t0 = time.perf_counter()
@@ -65,16 +66,7 @@ class ScriptedEngine:
         self.calls.append({"prompt_len": len(context), "stop": params.stop, "max_new_tokens": params.max_new_tokens,
                            "token_ids": list(out), "finish": finish, "t_start": t0, "t_end": time.perf_counter()})
         return Generation(token_ids=out, logprobs=[SCRIPTED_LOGPROB] * len(out), finish_reason=finish,
-                          matched_stop=matched, prompt_tokens=len(context))
-
-    async def update_weights(self, named_tensors) -> None:  # pragma: no cover - not used by the driver
-        raise NotImplementedError
-
-    async def pause(self, *, mode=DEFAULT_PAUSE_MODE) -> None:  # pragma: no cover
-        pass
-
-    async def resume(self) -> None:  # pragma: no cover
-        pass
+                          matched_stop=matched, prompt_tokens=len(context), versions=[self.weight_version] * len(out))
 
     async def close(self) -> None:
         pass

@@ -1,21 +1,30 @@
-"""The on-disk layout of a Megatron checkpoint written or read by this project.
+"""The on-disk layout of the checkpoints this project writes and reads: one layout.
 
-A checkpoint directory (a conversion output, or one iteration of a training run)::
+A **policy checkpoint** (a ``tir-ckpt hf-to-megatron`` output, or one learner of a run
+checkpoint)::
 
-    <ckpt>/                      # e.g. run_dir/checkpoints/iter_0000100/
+    <ckpt>/                      # e.g. RUN_DIR/checkpoints/step_100/policy/
       tir_ckpt.json              # CheckpointMeta (below): format, model spec, HF config, layout, iteration
       hf/                        # HF config.json, generation_config.json, tokenizer files (no weights)
       .metadata, *.distcp,       # ONE megatron.core.dist_checkpointing checkpoint (torch_dist format);
-      common.pt, metadata.json   #   model tensors under sharded keys "model.<GPTModel key>", e.g.
-                                 #   model.decoder.layers.self_attention.linear_qkv.weight [L, ...];
-                                 #   the trainer may add "optimizer.*" / RNG keys to the same checkpoint.
+      common.pt, metadata.json   #   model tensors under sharded keys "model.<megatron-core sharded key>",
+                                 #   e.g. model.decoder.layers.self_attention.linear_qkv.weight [L, ...];
+                                 #   a learner's adds "optimizer.*" and the lr scheduler (common.pt).
 
-A training run keeps ``run_dir/checkpoints/iter_{N:07d}/`` directories and a
-``run_dir/checkpoints/latest_checkpointed_iteration.txt`` holding N. The trainer writes
-the model with ``gpt_model.sharded_state_dict(prefix=MODEL_PREFIX)`` inside
-``dist_checkpointing.save`` and then ``write_meta`` + ``copy_hf_files`` (rank 0). The
-torch_dist format stores global tensors, so any TP/PP loads it; ``layout`` records how
-it was written.
+A **run checkpoint** (``megatron_tir.train.checkpoint.RunCheckpoints``)::
+
+    RUN_DIR/checkpoints/
+      step_N/                    # one complete save (written as .tmp-step_N, renamed when complete)
+        policy/                  #   the policy learner: a policy checkpoint (above)
+        <name>/                  #   any other named learner (a critic), same layout
+        trainer_state.json       #   step, data position, ... (the trainer's state)
+        rng_rank{R}.pt           #   RNG states of rank R
+      latest                     # a text file naming the newest complete step_N
+
+``resolve_checkpoint`` accepts all three levels: a policy checkpoint, a step directory
+(-> its ``policy``) and a run directory (-> the ``policy`` of the step ``latest`` names).
+The torch_dist format stores global tensors, so any TP/PP loads it; ``tp``/``pp`` in the
+metadata record how it was written.
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ HF_FILES_DIR = "hf"
 MODEL_PREFIX = "model."
 FORMAT = "megatron-tir-checkpoint"
 FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINTS_DIR = "checkpoints"  # RUN_DIR/checkpoints
+LATEST = "latest"  # RUN_DIR/checkpoints/latest names the newest complete step directory
+STEP_PREFIX = "step_"  # RUN_DIR/checkpoints/step_N
+TRAINER_STATE = "trainer_state.json"  # in a step directory: it is complete
+POLICY = "policy"  # the policy learner's checkpoint in a step directory
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,28 +80,47 @@ class CheckpointMeta:
         return ModelSpec.from_dict(self.model_spec)
 
 
-def iteration_dir(run_dir: Path, iteration: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR / f"iter_{iteration:07d}"
+def latest_step(run_dir: Path) -> Path | None:
+    """The step directory ``RUN_DIR/checkpoints/latest`` names, or None when there is no pointer;
+    ValueError when it names an incomplete one."""
+    pointer = Path(run_dir) / CHECKPOINTS_DIR / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / TRAINER_STATE).is_file():
+        raise ValueError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint dir, or a run dir (-> its latest iteration); ValueError if neither."""
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / CHECKPOINTS_DIR).is_dir()
+
+
+def is_step_dir(path: Path) -> bool:
+    return (Path(path) / TRAINER_STATE).is_file()
+
+
+def resolve_checkpoint(path: Path, *, learner: str = POLICY) -> Path:
+    """A policy checkpoint dir; a step dir (-> its ``learner``); a run dir (-> the latest step's
+    ``learner``); ValueError for anything else."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} does not exist")
     if (path / META_NAME).is_file():
         return path
-    ckpts = path / CHECKPOINTS_DIR
-    if ckpts.is_dir():
-        latest = ckpts / LATEST_FILE
-        if latest.is_file():
-            cand = iteration_dir(path, int(latest.read_text().strip()))
-        else:
-            iters = sorted(ckpts.glob("iter_*"))
-            cand = iters[-1] if iters else None
-        if cand is not None and (cand / META_NAME).is_file():
-            return cand
-    raise ValueError(f"{path} is not a checkpoint ({META_NAME} missing) nor a run directory with checkpoints/iter_*")
+    if is_run_dir(path):
+        step = latest_step(path)
+        if step is None:
+            raise ValueError(f"run directory {path} has no complete checkpoint yet "
+                             f"({CHECKPOINTS_DIR}/{LATEST} is missing)")
+        path = step
+    if is_step_dir(path):
+        ckpt = path / learner
+        if not (ckpt / META_NAME).is_file():
+            raise ValueError(f"step checkpoint {path} has no {learner!r} learner checkpoint")
+        return ckpt
+    raise ValueError(f"{path} is not a checkpoint ({META_NAME} missing), a run checkpoint's step directory "
+                     f"({TRAINER_STATE} missing) nor a run directory ({CHECKPOINTS_DIR}/ missing)")
 
 
 def read_meta(ckpt: Path) -> CheckpointMeta:

@@ -1,20 +1,22 @@
 """The generation-engine interface shared by the local (torch) engine and SGLang.
 
-Token ids in; sampled token ids, their log-probs and the finish reason out. Nothing is
-decoded and re-tokenized: the ids returned are exactly the ids that were sampled, so the
-trainer trains exactly what the engine generated.
+Token ids in; sampled token ids, their log-probs, the weight version that sampled each
+of them and the finish reason out. Nothing is decoded and re-tokenized: the ids returned
+are exactly the ids that were sampled, so the trainer trains exactly what the engine
+generated.
+
+The interface is what the rollout driver uses. How new weights reach an engine, and the
+pause around it, belong to the engine's weight sync (:mod:`megatron_tir.rollout.sync`),
+the one caller of an engine's ``pause`` / ``resume``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    import torch
+from typing import Protocol
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -62,13 +64,15 @@ class Generation:
     matched_stop: str | None = None
     prompt_tokens: int = 0
     meta: dict = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)  # one per token: the weight version that sampled it
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), "one log-prob per sampled token"
+        assert len(self.versions) == len(self.token_ids), "one weight version per sampled token"
 
 
 class PauseMode(str, enum.Enum):
-    """What ``GenerationEngine.pause`` does with requests in flight (SGLang's three modes)."""
+    """What an engine's ``pause`` does with requests in flight (SGLang's three modes)."""
 
     ABORT = "abort"  # they finish now: ABORT with what they have generated so far
     RETRACT = "retract"  # they wait; their KV cache is dropped and recomputed (new weights) on resume
@@ -116,19 +120,11 @@ class GenerationEngine(Protocol):
 
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights now served: 0 at start, one more after every weight sync."""
+        ...
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new policy weights (HF parameter names) for the next requests."""
-        ...
-
-    async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
-        """Stop admitting requests; ``mode`` says what happens to those in flight (PauseMode).
-
-        ``generate`` calls made while paused wait for ``resume``.
-        """
-        ...
-
-    async def resume(self) -> None: ...
 
     async def close(self) -> None: ...

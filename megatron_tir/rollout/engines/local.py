@@ -26,13 +26,15 @@ How it works
       kept, SGLang ``no_stop_trim``), an EOS id (kept), ``max_new_tokens``, the model's
       context limit (LENGTH, ``meta["context_limit"] = True``), or ABORT (``pause`` in
       ``PauseMode.ABORT``, ``close``).
-    * ``update_weights`` and ``pause`` take effect between two steps. Requests in flight
+    * ``update_weights`` and ``pause`` take effect between two steps (the weight sync,
+      :class:`~megatron_tir.rollout.sync.local.LocalWeightSync`, is their one caller). Requests in flight
       during a weight update continue under the new weights: with their KV cache (like
       SGLang's ``in_place`` pause, or no pause), or with it recomputed on resume
       (``PauseMode.RETRACT``: the request is prefilled again over prompt + generated ids).
-      ``Generation.meta`` carries the weight versions at the request's start and finish,
-      and ``weight_versions``: which version sampled which output tokens
-      (``[{"version", "start", "end"}]``, SGLang's ``meta_info.weight_versions``).
+      ``Generation.versions`` says which weight version sampled each output token;
+      ``Generation.meta`` carries the versions at the request's start and finish, and
+      ``weight_versions`` as spans (``[{"version", "start", "end"}]``, SGLang's
+      ``meta_info.weight_versions``).
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class LocalEngine:
 
     @property
     def weight_version(self) -> int:
-        """How many times ``update_weights`` has been applied."""
+        """How many times ``update_weights`` has been applied (one per weight sync)."""
         return self._weight_version
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
@@ -389,6 +391,7 @@ class LocalEngine:
             matched_stop=request.matched_stop,
             prompt_tokens=len(request.prompt_ids),
             meta=meta,
+            versions=[int(span["version"]) for span in request.weight_spans for _ in range(span["start"], span["end"])],
         ))
 
     def _abort_all(self, why: str) -> None:

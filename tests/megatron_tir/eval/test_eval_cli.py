@@ -102,6 +102,16 @@ def test_bad_values_are_one_line_errors_from_the_config(capsys, flags, message):
     assert err.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("flag", ["--temperature", "--top-p", "--tool-timeout", "--max-infra-failure-share",
+                                  "--probe-timeout"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_float_flags_refuse_non_finite_values(capsys, flag, bad):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--model", "smollm2", "--data", "aime24", f"{flag}={bad}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}: '{bad}' is not a finite number" in err, err
+
+
 def test_argparse_rejects_non_numbers():
     with pytest.raises(SystemExit) as exc:
         main(["eval", "--model", "smollm2", "--data", "aime24", "--temperature", "x"])
@@ -114,6 +124,7 @@ def test_argparse_rejects_non_numbers():
 
 def test_no_sglang_server_fails_before_the_run(capsys, two_problems, tmp_path):
     out = tmp_path / "s.jsonl"
+    out.write_text('{"earlier": "results"}\n')  # a failed eval leaves an existing --out file as it was
     code, stdout, err = run_cli(capsys, "eval", "--model", "smollm2", "--data", str(two_problems), "--engine",
                                 "sglang", "--sglang-url", f"http://127.0.0.1:{_free_port()}", "--no-tools",
                                 "--k", "1", "--no-progress", "--probe-timeout", "30", "--out", str(out))
@@ -122,7 +133,8 @@ def test_no_sglang_server_fails_before_the_run(capsys, two_problems, tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("megatron-tir:")]
     assert len(errors) == 1, err
     assert errors[0].startswith("megatron-tir: error: engine http://127.0.0.1:") and "did not answer" in errors[0], err
-    assert out.read_text() == ""
+    assert out.read_text() == '{"earlier": "results"}\n'
+    assert not list(tmp_path.glob(".s.jsonl.tmp-*"))  # no temp file left
 
 
 def test_no_sandbox_broker_fails_before_the_engine_loads(capsys, two_problems, tmp_path):

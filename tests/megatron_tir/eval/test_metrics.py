@@ -38,7 +38,7 @@ def T(kind, tool_status=None, stderr=""):
 
 def traj(g, s, reward, status, turns, model=10, feedback=0):
     t = Trajectory(group_id=g, sample_index=s, prompt_ids=[1], status=status, reward=reward, turns=turns)
-    t.append_model_tokens([5] * model, [-0.1] * model)
+    t.append_model_tokens([5] * model, [-0.1] * model, [0] * model)
     t.append_feedback_tokens([6] * feedback)
     return t
 

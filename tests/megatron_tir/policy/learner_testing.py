@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pathlib import Path
 
 import torch
 
 from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.losses import TokenLoss
 
 
 def make_batch(seed: int = 0, *, rows: int = 4, length: int = 16, vocab: int = 49152) -> TrainBatch:
@@ -27,7 +30,7 @@ def make_batch(seed: int = 0, *, rows: int = 4, length: int = 16, vocab: int = 4
                       extras={"old_logprobs": old, "advantages": adv})
 
 
-def ppo_loss(logprobs_BT, entropy_BT, extras):
+def ppo_token_loss(logprobs_BT, entropy_BT, extras):
     """Clipped-ratio policy loss with an entropy term (when given); metrics: ratio, clipped."""
     ratio = torch.exp(logprobs_BT - extras["old_logprobs"]).clamp(max=1e4)
     adv = extras["advantages"].unsqueeze(1)
@@ -35,6 +38,10 @@ def ppo_loss(logprobs_BT, entropy_BT, extras):
     if entropy_BT is not None:
         loss = loss - 1e-3 * entropy_BT
     return loss, {"ratio": ratio.detach(), "clipped": (ratio.detach() - ratio.detach().clamp(0.8, 1.28)).ne(0).float()}
+
+
+ppo_loss = TokenLoss(token_loss=ppo_token_loss)
+ppo_loss_with_entropy = TokenLoss(token_loss=ppo_token_loss, with_entropy=True)
 
 
 def hf_logprobs(hf_dir: Path, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *,
@@ -65,13 +72,15 @@ def layout_run(rank: int, world: int, tp: int, pp: int, distributed_optimizer: b
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.rollout.sync import drain
+    from megatron_tir.rollout.sync.local import LocalWeightSync
 
     init_parallel(tp, pp)
     learner = Learner(LearnerConfig(model="tiny-qwen2", tp=tp, pp=pp, lr=1e-4, max_tokens_per_microbatch=24,
                                     distributed_optimizer=distributed_optimizer))
     probe = make_batch(1)
     lp, ent = learner.logprobs(probe.tokens_BT, probe.attention_mask_BT, temperature=0.7, with_entropy=True)
-    steps = [learner.train_step(make_batch(2), ppo_loss, aggregation="token_mean", with_entropy=True),
+    steps = [learner.train_step(make_batch(2), ppo_loss_with_entropy, aggregation="token_mean"),
              learner.train_step(make_batch(3), ppo_loss, aggregation="seq_mean")]
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 20) for name, t in bucket}
     result = {"logprobs": lp, "entropy": ent, "weights": weights,
@@ -83,7 +92,11 @@ def layout_run(rank: int, world: int, tp: int, pp: int, distributed_optimizer: b
             from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
             engine = LocalEngine(LocalEngineConfig(model="tiny-qwen2", eos_token_ids=(0,)))
-        learner.sync_weights(engine, bucket_bytes=1 << 20)
+        buckets = learner.named_hf_buckets(1 << 20)
+        if engine is None:
+            drain(buckets)
+        else:
+            asyncio.run(LocalWeightSync(engine).update(buckets))
         if engine is not None:
             result["engine_logprobs"] = _model_logprobs(engine.model, probe.tokens_BT, probe.attention_mask_BT)
     if rank == 0:

@@ -8,9 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-from learner_testing import hf_logprobs, make_batch, ppo_loss
+from learner_testing import hf_logprobs, make_batch, ppo_loss, ppo_token_loss
 
+from megatron_tir.policy.checkpoint.learner_io import load_learner, save_learner
 from megatron_tir.policy.learner_config import LearnerConfig, TrainBatch
+from megatron_tir.policy.losses import TokenLoss
 
 
 def _learner(parallel_1x1, **kw):
@@ -83,11 +85,14 @@ def test_logprobs_equal_the_local_engines_sampled_logprobs(tiny_learner, tempera
         assert (ratio - 1).abs().max() <= 1e-4, (b, ratio)
 
 
-def _grads_and_step(learner, batch, aggregation, loss_fn=ppo_loss, temperature=1.0):
-    """One step's result and its gradients (DDP's main grads); the weights are put back."""
-    params = dict(learner._model.module.named_parameters())
+def _grads_and_step(learner, batch, aggregation, token_loss=ppo_token_loss, temperature=1.0, loss_fn=None):
+    """One step's result and its gradients (DDP's main grads); the weights are put back. The loss is
+    ``loss_fn`` or, by default, ``token_loss`` on log-probs and entropy at ``temperature``."""
+    params = dict(learner.module.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    result = learner.train_step(batch, loss_fn, aggregation=aggregation, with_entropy=True, temperature=temperature)
+    if loss_fn is None:
+        loss_fn = TokenLoss(token_loss=token_loss, temperature=temperature, with_entropy=True)
+    result = learner.train_step(batch, loss_fn, aggregation=aggregation)
     grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
     for n, p in params.items():
         p.data.copy_(before[n])
@@ -125,14 +130,14 @@ def test_aggregations_match_their_definitions(tiny_learner):
 def test_non_finite_step_is_skipped_and_changes_nothing(parallel_1x1):
     learner = _learner(parallel_1x1)
     batch = make_batch(4)
-    before = {n: p.detach().clone() for n, p in learner._model.module.named_parameters()}
+    before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
 
     def nan_loss(lp, ent, extras):
         return lp * float("nan"), {}
 
-    result = learner.train_step(batch, nan_loss)
+    result = learner.train_step(batch, TokenLoss(token_loss=nan_loss))
     assert result.skipped and learner.step == 0
-    assert all(torch.equal(before[n], p) for n, p in learner._model.module.named_parameters())
+    assert all(torch.equal(before[n], p) for n, p in learner.module.named_parameters())
     ok = learner.train_step(batch, ppo_loss)
     assert not ok.skipped and learner.step == 1 and ok.grad_norm > 0
 
@@ -141,21 +146,21 @@ def test_save_then_load_continues_bit_identically(parallel_1x1, tmp_path):
     batch, nxt = make_batch(5), make_batch(6)
     learner = _learner(parallel_1x1, lr=1e-3, warmup_steps=3)
     first = learner.train_step(batch, ppo_loss)
-    learner.save(tmp_path / "ckpt")
+    save_learner(learner, tmp_path / "ckpt")
     lr_saved = learner.lr
     straight = [learner.train_step(nxt, ppo_loss), learner.train_step(batch, ppo_loss)]
     resumed = _learner(parallel_1x1, lr=1e-3, warmup_steps=3)
-    resumed.load(tmp_path / "ckpt")
+    load_learner(resumed, tmp_path / "ckpt")
     assert resumed.step == 1 and resumed.lr == lr_saved and first.lr == pytest.approx(1e-3 / 3)
     again = [resumed.train_step(nxt, ppo_loss), resumed.train_step(batch, ppo_loss)]
     for a, b in zip(straight, again):
         assert (a.loss, a.grad_norm, a.lr) == (b.loss, b.grad_norm, b.lr)
-    assert all(torch.equal(p, q) for p, q in zip(learner._model.module.parameters(),
-                                                 resumed._model.module.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(learner.module.parameters(),
+                                                 resumed.module.parameters()))
     # the checkpoint is also a model source (weights only)
     from_ckpt = _learner(parallel_1x1, model=str(tmp_path / "ckpt"))
     saved = learner  # weights after 3 steps differ from the checkpoint's (after 1)
-    assert not torch.equal(next(from_ckpt._model.module.parameters()), next(saved._model.module.parameters()))
+    assert not torch.equal(next(from_ckpt.module.parameters()), next(saved.module.parameters()))
     assert from_ckpt.logprobs(batch.tokens_BT, batch.attention_mask_BT).abs().sum() > 0
 
 
@@ -222,13 +227,13 @@ def test_checkpoint_is_tir_ckpt_layout_and_bad_dirs_are_refused(parallel_1x1, tm
 
     learner = _learner(parallel_1x1, lr=1e-3)
     learner.train_step(make_batch(9), ppo_loss)
-    learner.save(tmp_path / "ckpt")
+    save_learner(learner, tmp_path / "ckpt")
     hf = megatron_to_hf(tmp_path / "ckpt", tmp_path / "hf")  # tir-ckpt reads a learner checkpoint
     exported = load_file(hf / "model.safetensors")
     want = {n: t for bucket in learner.hf_weights(1 << 30) for n, t in bucket}
     assert exported.keys() == want.keys() and all(torch.equal(exported[n], want[n]) for n in want)
     with pytest.raises(ValueError, match="exists and is not empty"):
-        learner.save(tmp_path / "ckpt")
+        save_learner(learner, tmp_path / "ckpt")
     converted = hf_to_megatron(resolve_model("tiny-qwen2"), tmp_path / "converted")
     with pytest.raises(ValueError, match="no optimizer/scheduler state"):
-        learner.load(converted)
+        load_learner(learner, converted)

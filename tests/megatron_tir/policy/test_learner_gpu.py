@@ -62,12 +62,13 @@ def test_fp8_recipe_with_transformer_engine(nccl_1x1):
 
 def test_sync_into_a_cuda_local_engine(nccl_1x1):
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
+    from megatron_tir.rollout.sync.local import LocalWeightSync
 
     learner = _learner()
     batch = make_batch(4)
     learner.train_step(batch, ppo_loss)
     engine = LocalEngine(LocalEngineConfig(model="tiny-qwen2", device="cuda", eos_token_ids=(0,)))
-    asyncio.run(learner.sync_weights_async(engine))
+    asyncio.run(LocalWeightSync(engine).update(learner.named_hf_buckets()))
     want = dict(learner.hf_weights(1 << 30).__next__())
     got = engine.model.state_dict()
     assert max((got[n].float() - t.float()).abs().max().item() for n, t in want.items()) == 0

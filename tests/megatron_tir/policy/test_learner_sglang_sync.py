@@ -1,4 +1,4 @@
-"""Learner.sync_weights into SGLang servers through megatron_tir.policy.weight_sync, against
+"""The learner's buckets into SGLang servers through megatron_tir.rollout.sync.sglang, against
 the fake SGLang server process (tests/megatron_tir/rollout/engines/fake_sglang.py: a LocalEngine
 behind SGLang's HTTP API that joins the weight-update group with SGLang's own code, over gloo)."""
 
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
 def test_sync_weights_through_distributed_weight_sync(parallel_1x1, server):
     from megatron_tir.policy.learner import Learner
     from megatron_tir.ports import free_port
-    from megatron_tir.policy.weight_sync import DistributedWeightSync, DistributedWeightSyncConfig
+    from megatron_tir.rollout.sync.sglang import DistributedWeightSync, DistributedWeightSyncConfig
     from megatron_tir.rollout.engines.base import SamplingParams
     from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
 
@@ -57,19 +57,20 @@ def test_sync_weights_through_distributed_weight_sync(parallel_1x1, server):
             master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60))
         async with engine:
             before = await engine.generate(prompt, params)
-            await sync.connect()
-            await learner.sync_weights_async(sync, bucket_bytes=64 << 10)
+            await sync.start()
+            version = await sync.update(learner.named_hf_buckets(64 << 10))
             after = await engine.generate(prompt, params)
             await sync.close()
-        return before, after
+        return before, after, version, engine.weight_version
 
-    before, after = asyncio.run(asyncio.wait_for(main(), 180))
+    before, after, version, engine_version = asyncio.run(asyncio.wait_for(main(), 180))
 
     def ratio_error(gen) -> float:
         tokens = torch.tensor([prompt + gen.token_ids])
         ours = learner.logprobs(tokens, torch.ones_like(tokens, dtype=torch.bool))[0, len(prompt):]
         return (torch.exp(ours - torch.tensor(gen.logprobs)) - 1).abs().max().item()
 
-    assert after.meta["weight_version"] == str(learner.step)
+    assert version == engine_version == 1 and after.meta["weight_version"] == "1"  # the first sync
+    assert before.versions == [0] * len(before.token_ids) and after.versions == [1] * len(after.token_ids)
     assert ratio_error(after) <= 1e-4  # the server samples with the learner's weights
     assert ratio_error(before) > 1e-3  # and did not before the sync

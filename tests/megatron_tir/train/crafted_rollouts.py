@@ -11,7 +11,7 @@ from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
 def traj(group: int, sample: int, status: FinishStatus, reward: float, *, logprobs=(-0.5, -1.0, -2.0),
          feedback: int = 0) -> Trajectory:
     t = Trajectory(group_id=group, sample_index=sample, prompt_ids=[1, 2])
-    t.append_model_tokens([10 + i for i in range(len(logprobs))], list(logprobs))
+    t.append_model_tokens([10 + i for i in range(len(logprobs))], list(logprobs), [0] * len(logprobs))
     if feedback:
         t.append_feedback_tokens([5] * feedback)
     t.status, t.reward = status, reward

@@ -1,4 +1,5 @@
-"""Run checkpoints: atomic save, keep_last pruning, a process killed mid-save leaves the previous one."""
+"""Run checkpoints: atomic save, keep_last pruning, named learners, a process killed mid-save leaves
+the previous one."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ HERE = Path(__file__).parent
 
 
 class ModuleLearner:
-    """A learner-shaped object over a torch module + Adam: save/load of both (duck-typed Learner)."""
+    """A learner-shaped object over a torch module + Adam, saved and loaded by ``save`` / ``load``
+    below (the run checkpoints' ``save_learner`` / ``load_learner``)."""
 
     def __init__(self, seed: int = 0, slow_save_s: float = 0.0) -> None:
         torch.manual_seed(seed)
@@ -45,20 +47,25 @@ class ModuleLearner:
         self.opt.load_state_dict(torch.load(Path(directory) / "optim.pt"))
 
 
+def _checkpoints(run_dir, keep_last: int) -> RunCheckpoints:
+    return RunCheckpoints(run_dir, keep_last=keep_last, save_learner=ModuleLearner.save,
+                          load_learner=ModuleLearner.load)
+
+
 def test_save_load_restores_learner_state_rng_and_prunes(tmp_path):
-    ck = RunCheckpoints(tmp_path, keep_last=2)
+    ck = _checkpoints(tmp_path, keep_last=2)
     assert ck.latest() is None
     learner = ModuleLearner()
     for step in (1, 2, 3):
         learner.train_step()
-        ck.save(learner, TrainerState(step=step, data_position=8 * step, config={"model": "x"}))
+        ck.save({"policy": learner}, TrainerState(step=step, data_position=8 * step, config={"model": "x"}))
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     assert ck.latest().name == "step_3"
     expected_w = learner.model.weight.detach().clone()
     after_rng = torch.rand(3)  # the RNG draw right after the save
     learner.train_step()
     other = ModuleLearner(seed=1)
-    state = ck.load(other)
+    state = ck.load({"policy": other})
     assert (state.step, state.data_position, state.config) == (3, 24, {"model": "x"})
     torch.testing.assert_close(other.model.weight, expected_w)
     torch.testing.assert_close(torch.rand(3), after_rng)
@@ -71,29 +78,29 @@ import sys, time
 sys.path.insert(0, {str(HERE)!r})
 from test_run_checkpoint import ModuleLearner
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
-ck = RunCheckpoints({str(tmp_path)!r}, keep_last=1)
+ck = RunCheckpoints({str(tmp_path)!r}, keep_last=1, save_learner=ModuleLearner.save, load_learner=ModuleLearner.load)
 learner = ModuleLearner()
 learner.train_step()
-ck.save(learner, TrainerState(step=1, data_position=4))
+ck.save({{"policy": learner}}, TrainerState(step=1, data_position=4))
 learner.slow_save_s = 60
 learner.train_step()
-ck.save(learner, TrainerState(step=2, data_position=8))
+ck.save({{"policy": learner}}, TrainerState(step=2, data_position=8))
 """
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()})
-    started = tmp_path / "checkpoints" / ".tmp-step_2" / "learner" / "started"
+    started = tmp_path / "checkpoints" / ".tmp-step_2" / "policy" / "started"
     deadline = time.monotonic() + 60
     while not started.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the saving process ended early"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    ck = RunCheckpoints(tmp_path, keep_last=1)
+    ck = _checkpoints(tmp_path, keep_last=1)
     assert ck.latest().name == "step_1"
     fresh = ModuleLearner(seed=5)
-    state = ck.load(fresh)
+    state = ck.load({"policy": fresh})
     assert (state.step, state.data_position) == (1, 4)
     # the next save clears the partial one and prunes step_1 (keep_last=1)
-    ck.save(fresh, TrainerState(step=2, data_position=8))
+    ck.save({"policy": fresh}, TrainerState(step=2, data_position=8))
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_2"]
     assert json.loads((tmp_path / "checkpoints" / "step_2" / "trainer_state.json").read_text())["step"] == 2
@@ -104,3 +111,23 @@ def test_latest_naming_an_incomplete_checkpoint_is_an_error(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step_4")
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         RunCheckpoints(tmp_path, keep_last=1).latest()
+
+
+def test_named_learners_are_saved_and_loaded_each_by_name(tmp_path):
+    ck = _checkpoints(tmp_path, keep_last=1)
+    policy, critic = ModuleLearner(seed=0), ModuleLearner(seed=1)
+    policy.train_step()
+    ck.save({"policy": policy, "critic": critic}, TrainerState(step=1))
+    step = tmp_path / "checkpoints" / "step_1"
+    assert (step / "policy" / "model.pt").is_file() and (step / "critic" / "model.pt").is_file()
+    new_policy, new_critic = ModuleLearner(seed=2), ModuleLearner(seed=3)
+    ck.load({"policy": new_policy, "critic": new_critic})
+    torch.testing.assert_close(new_policy.model.weight, policy.model.weight)
+    torch.testing.assert_close(new_critic.model.weight, critic.model.weight)
+    assert not torch.equal(policy.model.weight, critic.model.weight)
+    with pytest.raises(ValueError, match="has no learner 'value'"):
+        ck.load({"value": ModuleLearner()})
+    with pytest.raises(ValueError, match="by name"):
+        ck.save(policy, TrainerState(step=2))
+    with pytest.raises(ValueError, match="learner name"):
+        ck.save({"../x": policy}, TrainerState(step=2))

@@ -65,10 +65,11 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     check_ok(p)
     assert (run / "plots" / "reward.png").is_file() and "reward.png" in p.stdout
 
-    # the policy of a run checkpoint exports to HF with tir-ckpt
+    # the policy of a run checkpoint exports to HF with tir-ckpt (the step directory; the run
+    # directory, its latest step, is tested with eval in test_run_checkpoint_model_source)
     hf = tmp_path / "hf"
     p = subprocess.run([PY, "-m", "checkpoints_tools.cli", "megatron-to-hf", "--ckpt",
-                        str(run / "checkpoints" / "step_3" / "learner"), "--out", str(hf)], env=ENV,
+                        str(run / "checkpoints" / "step_3"), "--out", str(hf)], env=ENV,
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     check_ok(p)
     assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()

@@ -41,7 +41,7 @@ def test_sink_writes_jsonl_tensorboard_and_truncates_on_resume(tmp_path):
     MetricsSink(tmp_path, truncate_to=offset).close()  # a resume from the step-1 checkpoint
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     written = plot_run(tmp_path)
-    assert {p.name for p in written} >= {"reward.png", "train.png"}
+    assert {p.name for p in written} >= {"reward.png", "loss.png", "dashboard.png"}
     assert all(p.stat().st_size > 1000 for p in written)
 
 

@@ -2,8 +2,8 @@
 
 ``wire`` (the /generate request and answer), ``pool`` (health and routing), ``client``
 (:class:`SGLangEngine`: generate and the control endpoints) and ``server`` (launching
-``sglang.launch_server``). The trainer-side weight sync that drives the control
-endpoints lives in :mod:`megatron_tir.policy.weight_sync`.
+``sglang.launch_server``). The weight sync that drives the control endpoints lives in
+:mod:`megatron_tir.rollout.sync.sglang`.
 """
 
 from megatron_tir.rollout.engines.sglang.client import SGLangEngine, SGLangEngineConfig

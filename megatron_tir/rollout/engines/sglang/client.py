@@ -22,8 +22,8 @@ Health
     ``pause()`` to ``resume()``, and ``resume()`` marks up every server that accepted
     ``/continue_generation``.
 
-Control (every server at once; the trainer-side weight sync in
-:mod:`megatron_tir.policy.weight_sync` drives them)
+Control (every server at once; only the weight sync, :mod:`megatron_tir.rollout.sync.sglang`,
+drives them)
     ``pause``/``resume`` (``/pause_generation`` with a PauseMode, ``/continue_generation``),
     ``server_info`` (``GET /server_info``: ``tp_size``, ``dp_size`` must be 1),
     ``begin_weight_update``/``end_weight_update`` (a session; SGLang refuses weight
@@ -32,6 +32,12 @@ Control (every server at once; the trainer-side weight sync in
     (retried while the scheduler still holds requests, up to ``flush_timeout_s``), and
     ``release_memory_occupation``/``resume_memory_occupation`` (only while paused; resume
     exactly the tags released -- SGLang's scheduler dies resuming a tag it did not release).
+
+Weight version
+    ``weight_version`` is the servers' version as an int (SGLang's ``"default"`` at launch
+    is 0): read with ``fetch_weight_version`` (``GET /model_info``) and set by every
+    successful ``update_weights_from_*`` that carries one. Each generated token's version
+    comes from ``meta_info.weight_versions`` (``Generation.versions``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +68,7 @@ from megatron_tir.rollout.engines.sglang.wire import (
     build_generate_request,
     error_message,
     parse_generate_response,
+    parse_weight_version,
 )
 
 log = logging.getLogger(__name__)
@@ -135,6 +142,7 @@ class SGLangEngine:
         self.paused = False  # between pause() and resume(): health checks are suspended
         self.released_memory: tuple[str, ...] = ()  # tags released on every server, not yet resumed
         self._server_info: list[dict[str, Any]] | None = None
+        self._weight_version = 0
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
@@ -142,6 +150,11 @@ class SGLangEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def weight_version(self) -> int:
+        """The servers' weight version (see the module docstring)."""
+        return self._weight_version
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -370,6 +383,36 @@ class SGLangEngine:
         self._server_info = list(await asyncio.gather(*(one(s) for s in self.pool.servers)))
         return self._server_info
 
+    async def fetch_weight_version(self) -> int:
+        """``GET /model_info`` of every server; records and returns their (highest) weight version.
+
+        SGLang 0.5.23 reports the live version there (``/server_info`` holds the launch value).
+        """
+        await self.start()
+
+        async def one(server: ServerState) -> int:
+            timeout = aiohttp.ClientTimeout(total=self.config.control_timeout_s,
+                                            sock_connect=self.config.connect_timeout_s)
+            try:
+                async with self._session.get(f"{server.url}/model_info", timeout=timeout) as response:
+                    status, text = response.status, await response.text()
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise SGLangError(f"{server.url}/model_info: {exc!r}") from exc
+            try:
+                info = json.loads(text)
+            except ValueError:
+                info = None
+            if status != 200 or not isinstance(info, dict):
+                raise SGLangError(f"{server.url}/model_info answered {status}: {text[:200]}")
+            return parse_weight_version(info.get("weight_version"), where=f"{server.url}/model_info")
+
+        versions = await asyncio.gather(*(one(s) for s in self.pool.servers))
+        if len(set(versions)) > 1:
+            log.warning("SGLang servers hold different weight versions %s; the next sync aligns them",
+                        dict(zip((s.url for s in self.pool.servers), versions)))
+        self._weight_version = max(versions)
+        return self._weight_version
+
     async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
         """Stop admitting requests here and ``/pause_generation`` on every server.
 
@@ -495,15 +538,19 @@ class SGLangEngine:
         """
         payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
                    "group_name": group_name, "flush_cache": False}
+        version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if weight_version is not None:
             payload["weight_version"] = weight_version
         await self.call_all("/update_weights_from_distributed", payload)
+        if version is not None:
+            self._weight_version = version
 
     async def update_weights_from_tensor(self, payloads: Sequence[Sequence[str]], *, load_format: str | None = None,
                                          weight_version: str | None = None) -> None:
         """Colocated sync: ``payloads[i]`` is server i's list, one base64 MultiprocessingSerializer
-        dump per TP rank (see ``megatron_tir.policy.weight_sync.serialize_for_tp_ranks``)."""
+        dump per TP rank (see ``megatron_tir.rollout.sync.sglang.serialize_for_tp_ranks``)."""
         tp_sizes = [info["tp_size"] for info in await self.server_info()]
+        version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if len(payloads) != len(tp_sizes):
             raise ValueError(f"update_weights_from_tensor: {len(payloads)} payload lists for {len(tp_sizes)} servers")
         for server, payload, tp in zip(self.pool.servers, payloads, tp_sizes):
@@ -520,7 +567,5 @@ class SGLangEngine:
             return out
 
         await self.call_all("/update_weights_from_tensor", payload_for=body)
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        raise RuntimeError("SGLang servers take new weights from the trainer: use "
-                           "megatron_tir.policy.weight_sync (DistributedWeightSync.send or TensorWeightSync.send)")
+        if version is not None:
+            self._weight_version = version

@@ -12,9 +12,11 @@ Answer: ``output_ids`` are the sampled ids; ``meta_info.output_token_logprobs`` 
 ``[logprob, token_id, text|null]`` per id; ``meta_info.finish_reason`` is ``{"type":
 "stop", "matched": str|int}`` (an int is the stop/EOS id that ended it), ``{"type":
 "length", ...}`` or ``{"type": "abort", ...}``; ``meta_info.cached_tokens`` is the
-prompt prefix served from the radix cache; ``meta_info.weight_version`` is the server's
-version when it answered and ``meta_info.weight_versions`` which version sampled which
-output tokens. SGLang's default sampler returns ``log(softmax(logits / T))`` of the
+prompt prefix served from the radix cache; ``meta_info.weight_versions`` says which
+version sampled which output tokens and ``meta_info.weight_version`` is the last of them
+(``srt/utils/weight_versions.py``: ``compute_weight_version_spans`` covers every output
+token, ``add_weight_versions_to_meta_info``); they become ``Generation.versions``, one int
+per token (:func:`parse_weight_version`). SGLang's default sampler returns ``log(softmax(logits / T))`` of the
 sampled token before top-k / top-p (greedy: at T = 1) -- the local engine's convention.
 """
 
@@ -29,6 +31,20 @@ from megatron_tir.rollout.engines.base import FinishReason, Generation, Sampling
 
 class SGLangError(RuntimeError):
     """An SGLang server answered something unusable, or no server could take the request."""
+
+
+LAUNCH_WEIGHT_VERSION = "default"  # srt/arg_groups/fields/serving.py: --weight-version's default
+
+
+def parse_weight_version(value: Any, *, where: str = "weight_version") -> int:
+    """A server's weight version as an int: ``"default"`` (the launch value) is 0, else a
+    non-negative decimal string (the versions this trainer sets); SGLangError otherwise."""
+    if value == LAUNCH_WEIGHT_VERSION:
+        return 0
+    if isinstance(value, str) and value.isdigit() and value.isascii():
+        return int(value)
+    raise SGLangError(f"{where}: weight version {value!r} is neither {LAUNCH_WEIGHT_VERSION!r} nor a "
+                      "non-negative integer (the versions this trainer's weight sync sets)")
 
 
 def build_generate_request(prompt_ids: Sequence[int], params: SamplingParams, *, rid: str,
@@ -135,10 +151,30 @@ def parse_generate_response(body: Any, *, prompt_tokens: int, eos_token_ids: Ite
             meta_out[key] = meta[key]
     if meta.get("weight_versions"):
         meta_out["weight_versions"] = _weight_spans(meta["weight_versions"], len(output_ids), bad)
+    versions = _token_versions(meta_out, len(output_ids), bad)
     if isinstance(meta.get("prompt_tokens"), int) and meta["prompt_tokens"] != prompt_tokens:
         raise bad(f"prompt_tokens {meta['prompt_tokens']} != the {prompt_tokens} ids sent")
     return Generation(token_ids=list(output_ids), logprobs=logprobs, finish_reason=finish,
-                      matched_stop=matched_stop, prompt_tokens=prompt_tokens, meta=meta_out)
+                      matched_stop=matched_stop, prompt_tokens=prompt_tokens, meta=meta_out, versions=versions)
+
+
+def _token_versions(meta: dict[str, Any], n_tokens: int, bad) -> list[int]:
+    """One version per output token from the spans (which must cover them all, in order), or
+    from ``weight_version`` when no span is given; SGLangError when neither says."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        if "weight_version" not in meta:
+            raise bad("meta_info has no weight_version (SGLang 0.5.23 reports one with every answer)")
+        return [parse_weight_version(meta["weight_version"], where="meta_info.weight_version")] * n_tokens
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions):
+            raise bad(f"meta_info.weight_versions do not cover the {n_tokens} tokens in order: {spans}")
+        versions += [parse_weight_version(span["version"], where="meta_info.weight_versions")] * (
+            span["end"] - span["start"])
+    if len(versions) != n_tokens:
+        raise bad(f"meta_info.weight_versions do not cover the {n_tokens} tokens in order: {spans}")
+    return versions
 
 
 def error_message(body: Any) -> str:

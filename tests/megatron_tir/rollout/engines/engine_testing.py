@@ -28,6 +28,8 @@ def protocol_mismatches(cls: type, protocol: type) -> list[str]:
 
     problems = []
     for name, member in vars(protocol).items():
+        if isinstance(member, property) and not hasattr(cls, name):
+            problems.append(f"{cls.__name__}.{name} is missing")
         if name.startswith("_") or not inspect.isfunction(member):
             continue
         impl = getattr(cls, name, None)

@@ -35,6 +35,15 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
      endpoints assert ``dp_size == 1`` (an AssertionError: HTTP 500); a join that cannot
      succeed answers 400 ``Failed to initialize custom process group: ...``; IPv6 master
      addresses are bracketed (``utils/network.py`` ``NetworkAddress.to_tcp``).
+  9. weight version -- ``"default"`` at launch (``arg_groups/fields/serving.py``); an update
+     with ``weight_version`` adopts it on success (``managers/tokenizer_control_mixin.py``)
+     and marks it for requests in flight (``managers/scheduler.py``
+     ``record_weight_version_change``). ``GET /model_info`` reports the live version,
+     ``/server_info`` the launch value (its docstring, ``entrypoints/http_server.py``). Every
+     ``/generate`` answer carries ``meta_info.weight_versions`` spans covering all output
+     tokens and ``meta_info.weight_version`` = the last span's version
+     (``utils/weight_versions.py`` ``compute_weight_version_spans``,
+     ``add_weight_versions_to_meta_info``); there is no ``/get_weight_version`` in 0.5.23.
 Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
@@ -67,6 +76,7 @@ DROP_CONNECTION = object()  # a /generate handler returns this to cut the connec
 GenerateHandler = Callable[[Any, dict], Awaitable[Any]]  # (GenerateRequest, raw body) -> struct | (status, dict)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # srt/constants.py GPU_MEMORY_ALL_TYPES
 KEEPALIVE_S = 5.0  # srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE
+LAUNCH_WEIGHT_VERSION = "default"  # srt/arg_groups/fields/serving.py weight_version
 HEALTH_CHECK_TIMEOUT_S = 20.0  # srt/entrypoints/http_server.py HEALTH_CHECK_TIMEOUT
 NOT_IN_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -159,7 +169,7 @@ class FakeSGLangServer:
         self.memory_released: set[str] = set()  # offload_tags
         self.memory_freed: set[str] = set()  # what the memory saver really freed
         self.groups: dict[str, Any] = {}  # weight-update groups joined (None when not really joined)
-        self.weight_version = "default"  # srt/arg_groups/fields/serving.py
+        self.weight_version = LAUNCH_WEIGHT_VERSION
         self._version_names = {"0": "default"}  # backend LocalEngine version -> announced weight_version
         self.radix = RadixCache()
         self.cached_tokens: list[tuple[int, int]] = []  # (cached, prompt) per /generate
@@ -168,6 +178,7 @@ class FakeSGLangServer:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._gone_when_crashed])
         app.router.add_get("/health", self._health)
         app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/fake_state", self._fake_state)  # the fake's own: what tests of a server process read
         app.router.add_route("*", "/flush_cache", self._flush_cache)
         app.router.add_post("/generate", self._generate)
@@ -235,7 +246,11 @@ class FakeSGLangServer:
     async def _server_info(self, request: web.Request) -> web.Response:
         self.requests.append(("/server_info", None))
         return _json({"tp_size": self.tp_size, "dp_size": self.dp_size, "enable_memory_saver": self.enable_memory_saver,
-                      "weight_version": self.weight_version, "version": "0.5.23"})
+                      "weight_version": LAUNCH_WEIGHT_VERSION, "version": "0.5.23"})
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        self.requests.append(("/model_info", None))
+        return _json({"model_path": "fake", "is_generation": True, "weight_version": self.weight_version})
 
     async def _fake_state(self, request: web.Request) -> web.Response:
         return _json({"paths": [p for p, _ in self.requests], "session_open": self.session_open,
@@ -299,10 +314,14 @@ class FakeSGLangServer:
         if answer.meta_info is not None:
             import msgspec
 
-            spans = [msgspec.structs.replace(s, version=self._version_names.get(s.version, s.version))
-                     for s in answer.meta_info.weight_versions]
+            if self.engine is not None:  # the backend's versions, under the names the updates announced
+                spans = [msgspec.structs.replace(s, version=self._version_names.get(s.version, s.version))
+                         for s in answer.meta_info.weight_versions]
+            else:  # a scripted backend: every token sampled by the version served now
+                spans = [types.WeightVersionSpan(version=self.weight_version, start=0,
+                                                 end=len(answer.output_ids or []))]
             answer = msgspec.structs.replace(answer, meta_info=msgspec.structs.replace(
-                answer.meta_info, weight_version=self.weight_version, weight_versions=spans, cached_tokens=cached))
+                answer.meta_info, weight_version=spans[-1].version, weight_versions=spans, cached_tokens=cached))
         return web.json_response(answer.to_json_value())
 
     async def _control(self, request: web.Request) -> web.Response:

@@ -26,13 +26,17 @@ def scripted(answer):
     return handle
 
 
-def canned_response(req, *, ids=(5, 6, 7), finish=None):
+def canned_response(req, *, ids=(5, 6, 7), finish=None, version="default"):
+    """An answer as sglang 0.5.23 gives it; ``meta_info.weight_version(s)`` as
+    ``srt/utils/weight_versions.py`` ``add_weight_versions_to_meta_info`` writes them (one span)."""
     types = api_types()
     finish = finish or types.FinishLength(length=len(ids))
     meta = types.GenerateMetaInfo(id=req.rid, prompt_tokens=len(req.input_ids), completion_tokens=len(ids),
                                   finish_reason=finish,
                                   output_token_logprobs=[types.LogprobEntry(logprob=-0.5 * (i + 1), token_id=t)
-                                                         for i, t in enumerate(ids)])
+                                                         for i, t in enumerate(ids)],
+                                  weight_version=version,
+                                  weight_versions=[types.WeightVersionSpan(version=version, start=0, end=len(ids))])
     return types.GenerateResponse(text="", meta_info=meta, output_ids=list(ids))
 
 

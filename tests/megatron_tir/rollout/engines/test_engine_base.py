@@ -18,13 +18,10 @@ from engine_testing import protocol_mismatches
 class _Engine:
     eos_token_ids = (0,)
 
+    @property
+    def weight_version(self): ...
+
     async def generate(self, prompt_ids, params): ...
-
-    async def update_weights(self, named_tensors): ...
-
-    async def pause(self, *, mode=DEFAULT_PAUSE_MODE): ...
-
-    async def resume(self): ...
 
     async def close(self): ...
 
@@ -32,24 +29,30 @@ class _Engine:
 def test_protocol_check_accepts_a_matching_engine_and_names_each_mismatch():
     assert protocol_mismatches(_Engine, GenerationEngine) == []
 
-    class OldLocalPause(_Engine):  # the LocalEngine pause before PauseMode
-        async def pause(self, *, abort_in_flight=False): ...
+    class ExtraArgument(_Engine):
+        async def generate(self, prompt_ids, params, *, timeout=None): ...
 
-    class OtherDefault(_Engine):
-        async def pause(self, *, mode=PauseMode.RETRACT): ...
-
-    class SyncResume(_Engine):
-        def resume(self): ...
+    class SyncClose(_Engine):
+        def close(self): ...
 
     class NoClose:
         eos_token_ids = (0,)
-        generate, update_weights = _Engine.generate, _Engine.update_weights
-        pause, resume = _Engine.pause, _Engine.resume
+        weight_version = _Engine.weight_version
+        generate = _Engine.generate
 
-    assert "OldLocalPause.pause" in protocol_mismatches(OldLocalPause, GenerationEngine)[0]
-    assert "OtherDefault.pause" in protocol_mismatches(OtherDefault, GenerationEngine)[0]
-    assert "async/sync" in protocol_mismatches(SyncResume, GenerationEngine)[0]
+    class NoVersion:
+        eos_token_ids = (0,)
+        generate, close = _Engine.generate, _Engine.close
+
+    assert "ExtraArgument.generate" in protocol_mismatches(ExtraArgument, GenerationEngine)[0]
+    assert "async/sync" in protocol_mismatches(SyncClose, GenerationEngine)[0]
     assert protocol_mismatches(NoClose, GenerationEngine) == ["NoClose.close is missing"]
+    assert protocol_mismatches(NoVersion, GenerationEngine) == ["NoVersion.weight_version is missing"]
+
+
+def test_the_interface_has_no_weight_update_and_no_pause():
+    """How weights travel, and the pause around it, belong to the engine's weight sync."""
+    assert not {"update_weights", "pause", "resume"} & set(vars(GenerationEngine))
 
 
 def test_pause_mode_parsing():

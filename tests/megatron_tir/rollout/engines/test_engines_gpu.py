@@ -111,7 +111,7 @@ def test_tensor_payloads_open_in_another_process(gpu_model_dir):
     pytest.importorskip("sglang.srt.utils.patch_torch", reason="needs sglang[srt]")
     import multiprocessing
 
-    from megatron_tir.policy.weight_sync import serialize_for_tp_ranks
+    from megatron_tir.rollout.sync.sglang import serialize_for_tp_ranks
 
     bucket = [("a", torch.randn(4, 3, device="cuda")), ("b", torch.arange(5, device="cuda", dtype=torch.bfloat16))]
     payloads = serialize_for_tp_ranks(bucket, 2)
@@ -130,12 +130,8 @@ def test_real_server_generate_pause_sync_resume_generate(gpu_model_dir, tmp_path
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="needs sglang[srt]")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_tir.policy.weight_sync import (
-        DistributedWeightSync,
-        DistributedWeightSyncConfig,
-        TensorWeightSync,
-        buckets_of,
-    )
+    from megatron_tir.rollout.sync import buckets_of
+    from megatron_tir.rollout.sync.sglang import DistributedWeightSync, DistributedWeightSyncConfig, TensorWeightSync
     from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
     from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer, SGLangServerConfig
 
@@ -164,10 +160,11 @@ def test_real_server_generate_pause_sync_resume_generate(gpu_model_dir, tmp_path
             if path == "distributed":
                 sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
                     master_address="127.0.0.1", master_port=_free_port(), backend=backend, timeout_s=300))
-                await sync.connect()
+                await sync.start()
             else:
                 sync = TensorWeightSync(engine)
-            await sync.send(buckets_of(weights, 256 << 20), weight_version="1")
+                await sync.start()
+            await sync.update(buckets_of(weights, 256 << 20))
             after = await engine.generate(prompt, greedy)
             if path == "distributed":
                 await sync.close()

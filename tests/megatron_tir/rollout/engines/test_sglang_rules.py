@@ -18,7 +18,7 @@ from sglang_schema import api_types
 from megatron_tir.ports import free_port
 from sglang_testing import canned_response, client, scripted, unreachable_url
 
-from megatron_tir.policy.weight_sync import (
+from megatron_tir.rollout.sync.sglang import (
     DistributedWeightSync,
     DistributedWeightSyncConfig,
     serialize_for_tp_ranks,
@@ -319,7 +319,7 @@ def test_8_dp_size_and_tp_sizes_come_from_server_info():
             sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(master_address="127.0.0.1",
                                                                              master_port=free_port(), backend="gloo"))
             with pytest.raises(SGLangError, match="dp_size=2"):
-                await sync.connect()
+                await sync.start()
         await replicated.stop()
         mixed = [FakeSGLangServer(scripted(canned_response), tp_size=tp) for tp in (2, 1)]
         async with client([await s.start() for s in mixed]) as engine:
@@ -349,7 +349,7 @@ def test_8_a_failed_join_stops_the_wait_at_once():
                 master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60))
             t0 = time.perf_counter()
             with pytest.raises(SGLangError, match="Failed to initialize custom process group: NCCL error"):
-                await sync.connect()
+                await sync.start()
             seconds = time.perf_counter() - t0
         for s in servers:
             await s.stop()
@@ -397,6 +397,50 @@ def test_10_weight_version_spans_are_kept_in_meta():
     body["meta_info"]["weight_versions"] = [{"version": "1", "start": 0, "end": 9}]
     with pytest.raises(SGLangError, match="out of range for 3 tokens"):
         parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,))
+
+
+def test_10_each_token_gets_the_version_of_its_span():
+    types = api_types()
+    body = canned_response(types.GenerateRequest(rid="r", input_ids=[1, 2])).to_json_value()
+    body["meta_info"]["weight_versions"] = [{"version": "1", "start": 0, "end": 2}, ["2", 2, 3]]
+    assert parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,)).versions == [1, 1, 2]
+    body["meta_info"]["weight_versions"] = [{"version": "default", "start": 0, "end": 3}]
+    assert parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,)).versions == [0, 0, 0]
+    body["meta_info"]["weight_versions"] = [{"version": "1", "start": 0, "end": 1}, ["2", 2, 3]]
+    with pytest.raises(SGLangError, match="do not cover the 3 tokens"):
+        parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,))
+    body["meta_info"]["weight_versions"] = [{"version": "policy-v3", "start": 0, "end": 3}]
+    with pytest.raises(SGLangError, match="neither 'default' nor a non-negative integer"):
+        parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,))
+    del body["meta_info"]["weight_versions"]
+    body["meta_info"]["weight_version"] = "5"
+    assert parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,)).versions == [5, 5, 5]
+    del body["meta_info"]["weight_version"]
+    with pytest.raises(SGLangError, match="no weight_version"):
+        parse_generate_response(body, prompt_tokens=2, eos_token_ids=(0,))
+
+
+def test_10_the_client_reads_the_live_version_from_model_info_and_records_the_ones_it_sets():
+    async def main():
+        server = FakeSGLangServer(scripted(canned_response))
+        async with client([await server.start()]) as engine:
+            start = engine.weight_version, await engine.fetch_weight_version()
+            await engine.begin_weight_update()
+            await engine.update_weights_from_tensor([["YWJj"]], weight_version="4")
+            await engine.end_weight_update()
+            set_ = engine.weight_version
+            server.weight_version = "6"  # another trainer moved it
+            fetched = await engine.fetch_weight_version()
+            out = await engine.generate([1, 2], PARAMS)
+            with pytest.raises(SGLangError, match="neither 'default'"):
+                await engine.update_weights_from_tensor([["YWJj"]], weight_version="v7")
+        await server.stop()
+        return start, set_, fetched, out, server
+
+    start, set_, fetched, out, server = run(main())
+    assert start == (0, 0) and set_ == 4 and fetched == 6
+    assert out.versions == [6, 6, 6] and out.meta["weight_version"] == "6"
+    assert ("/model_info", None) in server.requests and not server.contract_errors
 
 
 # ---------------------------------------------------------------------- 11. wait_healthy

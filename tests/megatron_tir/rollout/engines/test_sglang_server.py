@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_tir.policy.weight_sync import (
+from megatron_tir.rollout.sync.sglang import (
     DistributedWeightSync,
     DistributedWeightSyncConfig,
-    buckets_of,
 )
+from megatron_tir.rollout.sync import buckets_of
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
 from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
@@ -94,8 +94,8 @@ def test_launch_generate_broadcast_weights_and_stop(tmp_path, tiny_qwen2):
             before = await engine.generate(prompt, params)
             sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
                 master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60))
-            await sync.connect()
-            await sync.send(buckets_of(new_weights, 64 << 10), weight_version="1")
+            await sync.start()
+            await sync.update(buckets_of(new_weights, 64 << 10))
             after = await engine.generate(prompt, params)
             await sync.close()
         return before, after

@@ -1,4 +1,4 @@
-"""The trainer-side weight sync (megatron_tir.policy.weight_sync) against two fake server processes.
+"""The trainer-side weight sync (megatron_tir.rollout.sync.sglang) against two fake server processes.
 
 Each fake (fake_sglang.py, launched through SGLangServer) serves a tiny Qwen2 with a
 LocalEngine and joins the weight-update group with SGLang's own
@@ -20,12 +20,12 @@ from engine_testing import reference_logprobs, run
 from megatron_tir.ports import free_port
 from transformers import AutoModelForCausalLM
 
-from megatron_tir.policy.weight_sync import (
+from megatron_tir.rollout.sync.sglang import (
     DistributedWeightSync,
     DistributedWeightSyncConfig,
-    buckets_of,
     call_blocking,
 )
+from megatron_tir.rollout.sync import buckets_of
 from megatron_tir.rollout.engines.base import FinishReason, PauseMode, SamplingParams
 from megatron_tir.rollout.engines.sglang import (
     SGLangEngine,
@@ -92,8 +92,8 @@ def test_generate_pause_sync_resume_generate_uses_the_new_weights(servers, new_w
         engine, sync = engine_and_sync(servers)
         async with engine:
             before = await engine.generate(PROMPT, params)
-            await sync.connect()
-            await sync.send(buckets_of(weights, 64 << 10), weight_version="1")
+            await sync.start()
+            await sync.update(buckets_of(weights, 64 << 10))
             after = await asyncio.gather(*(engine.generate(PROMPT, SamplingParams(
                 max_new_tokens=8, seed=5, route_key=f"k{i}")) for i in range(4)))
             await sync.close()
@@ -112,7 +112,8 @@ def test_generate_pause_sync_resume_generate_uses_the_new_weights(servers, new_w
         state = fake_state(server.url)
         paths = [p for p in state["paths"][mark:] if p != "/generate"]
         paths = [p for i, p in enumerate(paths) if not p == paths[i - 1] == "/flush_cache"]  # refusals retried
-        assert paths == (["/server_info", "/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
+        assert paths == (["/server_info", "/model_info", "/init_weights_update_group", "/pause_generation",
+                          "/begin_weight_update"]
                          + ["/update_weights_from_distributed"] * buckets
                          + ["/end_weight_update", "/flush_cache", "/continue_generation",
                             "/destroy_weights_update_group"])
@@ -123,9 +124,9 @@ def test_a_failed_bucket_ends_the_session_and_resumes_generation(servers):
     async def main():
         engine, sync = engine_and_sync(servers)
         async with engine:
-            await sync.connect()
+            await sync.start()
             with pytest.raises(SGLangError, match="model.norm.weight has shape \\(3,\\)"):
-                await sync.send([[("model.norm.weight", torch.zeros(3))]], weight_version="bad")
+                await sync.update([(0, [("model.norm.weight", torch.zeros(3))])])
             states = [fake_state(s.url) for s in servers]
             out = await engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=1))
             await sync.close()
@@ -145,10 +146,10 @@ def test_a_retracted_request_records_the_versions_it_crossed(servers, new_weight
     async def main():
         engine, sync = engine_and_sync(servers, pause_mode=PauseMode.RETRACT)
         async with engine:
-            await sync.connect()
+            await sync.start()
             task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_new_tokens=300, seed=2)))
             await asyncio.sleep(0.5)
-            await sync.send(buckets_of(weights, 64 << 10), weight_version="2")
+            await sync.update(buckets_of(weights, 64 << 10))
             out = await task
             await sync.close()
         return out
@@ -185,3 +186,43 @@ def test_call_blocking_runs_on_the_engines_loop_idle_or_in_another_thread(server
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_every_trained_tokens_version_is_the_weights_that_sampled_it(servers, tiny_qwen2):
+    """Rollouts through the driver straddle two syncs (RETRACT); collated, every trained token's
+    version is the one whose weights give its log-prob (the servers' backends really load them)."""
+    from version_testing import check_versions_against_weights, weight_sets
+
+    from megatron_tir.data import Problem
+    from megatron_tir.rollout import RolloutConfig, TIRRollout, collate
+    from megatron_tir.rollout.sync import buckets_of as buckets
+    from transformers import AutoTokenizer
+
+    sets = weight_sets(tiny_qwen2, 3)
+    problem = Problem(index=0, messages=({"role": "user", "content": "What is 6 times 7?"},), ground_truth="42")
+    cfg = RolloutConfig(n_samples=4, max_turns=1, max_response_tokens=200, tools=False, seed=4)
+
+    async def main():
+        engine, sync = engine_and_sync(servers, pause_mode=PauseMode.RETRACT)
+        async with engine:
+            await sync.start()
+            first = await sync.update(buckets(sets[0], 64 << 10))  # the launch weights, under a version of ours
+            driver = TIRRollout(engine, AutoTokenizer.from_pretrained(tiny_qwen2), None, cfg)
+            rollout = asyncio.create_task(driver.run([problem]))
+            seen = [first]
+            for weights in sets[1:]:
+                await asyncio.sleep(0.5)  # tokens are being sampled meanwhile
+                seen.append(await sync.update(buckets(weights, 64 << 10)))
+            groups = await rollout
+            await sync.close()
+        return seen, engine.weight_version, groups
+
+    seen, final, groups = run(main(), timeout=240)
+    assert seen == [seen[0], seen[0] + 1, seen[0] + 2] and final == seen[-1]
+    for t in groups[0].trajectories:
+        t.reward = 0.0
+    batch = collate(groups, pad_id=0)
+    batch.versions_BT[batch.versions_BT >= 0] -= seen[0]  # versions of ours -> index into sets
+    check_versions_against_weights(batch, tiny_qwen2, sets)
+    rows = [batch.versions_BT[b][batch.loss_mask_BT[b] > 0] for b in range(batch.batch_size)]
+    assert any(len(set(r.tolist())) > 1 for r in rows)  # a trajectory did straddle a sync

@@ -1,13 +1,21 @@
-"""Trainer-side weight sync to SGLang servers: the trainer drives the client's control endpoints.
+"""Weight sync into SGLang servers: the trainer drives the client's control endpoints.
 
 One sync, in SGLang 0.5.23's order (``srt/managers/scheduler_components/weight_updater.py``
 refuses weight updates outside a begin/end session; ``/flush_cache`` refuses while the
 scheduler holds requests):
 
-    pause (abort or retract) -> begin_weight_update -> buckets (flush_cache: false)
-      -> end_weight_update -> flush_cache (retried while the scheduler drains) -> resume
+    pause (abort or retract) -> begin_weight_update -> buckets (flush_cache: false,
+      weight_version: the next version) -> end_weight_update -> flush_cache (retried
+      while the scheduler drains) -> resume
 
 The session is ended and generation resumed on failure too, and the error re-raised.
+
+Versions: ``start()`` reads every server's current ``weight_version`` (``GET
+/model_info``; ``"default"`` at launch, srt/arg_groups/fields/serving.py); each
+``update`` sends the next integer as ``weight_version`` with every bucket, which the
+server adopts on success (``tokenizer_control_mixin.py``) and records for its requests in
+flight (``scheduler.py`` ``record_weight_version_change``), so ``/generate`` reports per
+token which version sampled it (``meta_info.weight_versions``).
 
 :class:`DistributedWeightSync` broadcasts over a process group the servers join
 (``/init_weights_update_group``; NCCL on GPUs, gloo in the CPU tests): rank 0 is this
@@ -16,11 +24,8 @@ trainer rank, the servers' TP ranks follow. Before building it every server's
 sets the rank offsets. :class:`TensorWeightSync` is the colocated path (the server shares
 this rank's GPUs): CUDA IPC handles, one serialized payload per server TP rank.
 
-Both take ``buckets``: an iterable of lists of ``(HF name, full tensor)``, e.g.
-``Learner.hf_weights(bucket_bytes)``; each bucket is one ``/update_weights_*`` call.
 Their methods are coroutines on the engine's event loop; :func:`call_blocking` runs one
-from synchronous trainer code (e.g. ``call_blocking(engine, sync.send(buckets,
-weight_version=str(step)))``).
+from synchronous code.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ import concurrent.futures
 import ipaddress
 import logging
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
+from megatron_tir.rollout.sync.base import Bucket, check_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Bucket = list[tuple[str, "torch.Tensor"]]
 T = TypeVar("T")
 SYNC_PAUSE_MODES = (PauseMode.ABORT, PauseMode.RETRACT)  # IN_PLACE keeps requests running: no flush
 
@@ -106,45 +111,23 @@ def new_trainer_process_group(*, master_address: str, master_port: int, world_si
     return pg
 
 
-def buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group a stream of named tensors into buckets of at most ``bucket_bytes`` (one tensor may exceed it)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def _check_bucket(bucket: Bucket) -> None:
-    import torch
-
-    if not bucket:
-        raise ValueError("weight sync: an empty bucket")
-    for name, tensor in bucket:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"weight sync: {name} is a {type(tensor).__name__}, not a torch.Tensor")
-
-
-async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> None:
-    """pause -> begin -> ``await load()`` -> end -> flush -> resume; the session ends and
-    generation resumes on failure too."""
+async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
+    """pause -> begin -> ``await load(version)`` -> end -> flush -> resume; the session ends and
+    generation resumes on failure too. Returns the new version."""
+    version = engine.weight_version + 1
     try:
         await engine.pause(mode=mode)
         await engine.begin_weight_update()
         try:
-            await load()
+            await load(str(version))
         finally:
             await engine.end_weight_update()
         await engine.flush_cache()
     finally:
         await engine.resume()
+    if engine.weight_version != version:  # every server adopted it (the client records it on success)
+        raise RuntimeError(f"weight sync: the servers report version {engine.weight_version}, not {version}")
+    return version
 
 
 def call_blocking(engine: SGLangEngine, coro: Coroutine[Any, Any, T]) -> T:
@@ -192,8 +175,8 @@ def _daemon_call(fn) -> concurrent.futures.Future:
 class DistributedWeightSync:
     """Rank 0 broadcasts HF-named tensors to every server's TP ranks (see the module docstring).
 
-    ``await connect()`` once, ``await send(buckets, weight_version=...)`` per sync, ``await
-    close()`` at the end; all on the event loop the engine uses.
+    ``await start()`` once, ``await update(buckets)`` per sync, ``await close()`` at the end;
+    all on the event loop the engine uses.
     """
 
     def __init__(self, engine: SGLangEngine, config: DistributedWeightSyncConfig) -> None:
@@ -202,10 +185,12 @@ class DistributedWeightSync:
         self.group = None
         self.world_size = 0
 
-    async def connect(self) -> None:
-        """Check the servers, then build the group; fails at once when a server cannot join."""
+    async def start(self) -> None:
+        """Check the servers and read their weight version, then build the group; fails at once
+        when a server cannot join."""
         cfg = self.config
         infos = await self.engine.server_info(refresh=True)
+        await self.engine.fetch_weight_version()
         world_size = 1 + sum(info["tp_size"] for info in infos)
         joined = asyncio.wrap_future(_daemon_call(lambda: new_trainer_process_group(
             master_address=cfg.master_address, master_port=cfg.master_port, world_size=world_size,
@@ -227,17 +212,17 @@ class DistributedWeightSync:
         self.world_size = world_size
         log.info("weight-update group %s ready (world size %d)", cfg.group_name, world_size)
 
-    async def send(self, buckets: Iterable[Bucket], *, weight_version: str) -> None:
+    async def update(self, buckets: Iterable[Bucket]) -> int:
         """One sync: every bucket announced to all servers and broadcast from rank 0."""
         import torch.distributed as dist
 
         if self.group is None:
-            raise RuntimeError("DistributedWeightSync.connect() was not called")
+            raise RuntimeError("DistributedWeightSync.start() was not called")
         loop = asyncio.get_running_loop()
 
-        async def load() -> None:
+        async def load(weight_version: str) -> None:
             for bucket in buckets:
-                _check_bucket(bucket)
+                bucket = check_bucket(bucket)
                 announce = asyncio.ensure_future(self.engine.update_weights_from_distributed(
                     names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     shapes=[list(t.shape) for _, t in bucket], group_name=self.config.group_name,
@@ -252,8 +237,9 @@ class DistributedWeightSync:
                 finally:
                     await announce
 
-        await _run_sync(self.engine, self.config.pause_mode, load)
-        log.info("weights %s sent to %d server(s)", weight_version, len(self.engine.pool.servers))
+        version = await _run_sync(self.engine, self.config.pause_mode, load)
+        log.info("weights (version %d) sent to %d server(s)", version, len(self.engine.pool.servers))
+        return version
 
     async def close(self) -> None:
         """Leave the group on the servers and here."""
@@ -268,14 +254,14 @@ class DistributedWeightSync:
             self.group = None
 
 
-def serialize_for_tp_ranks(bucket: Bucket, tp_size: int) -> list[str]:
+def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
     """One base64 ``MultiprocessingSerializer`` dump of ``bucket`` per server TP rank (CUDA only).
 
     SGLang's ``deserialize_own_rank`` reads entry ``tp_rank`` after
     ``monkey_patch_torch_reductions`` (CUDA IPC handles keyed by device UUID), so the dump
     is made after the same patch, once per rank (each rank's copy is released separately).
     """
-    _check_bucket(bucket)
+    bucket = check_bucket((0, bucket))
     on_cpu = [name for name, tensor in bucket if not tensor.is_cuda]
     if on_cpu:
         raise ValueError(f"update_weights_from_tensor shares CUDA memory; {on_cpu[:3]} are not on a GPU")
@@ -298,12 +284,21 @@ class TensorWeightSync:
         self.engine = engine
         self.pause_mode = mode
 
-    async def send(self, buckets: Iterable[Bucket], *, weight_version: str) -> None:
+    async def start(self) -> None:
+        """Check the servers and read their weight version."""
+        await self.engine.server_info(refresh=True)
+        await self.engine.fetch_weight_version()
+
+    async def update(self, buckets: Iterable[Bucket]) -> int:
         tp_sizes = [info["tp_size"] for info in await self.engine.server_info()]
 
-        async def load() -> None:
+        async def load(weight_version: str) -> None:
             for bucket in buckets:
-                payloads = [serialize_for_tp_ranks(bucket, tp) for tp in tp_sizes]
+                tensors = check_bucket(bucket)
+                payloads = [serialize_for_tp_ranks(tensors, tp) for tp in tp_sizes]
                 await self.engine.update_weights_from_tensor(payloads, weight_version=weight_version)
 
-        await _run_sync(self.engine, self.pause_mode, load)
+        return await _run_sync(self.engine, self.pause_mode, load)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,98 @@
+"""Rank 0's observer of a training run: the per-step line, rollout dumps, sample tables, step-level diagnostics.
+
+The loop calls it at four points of a step (``sampled`` after the rollouts, ``held_out``
+after an evaluation, ``end_step`` before the metrics are logged) and ``close`` at the end.
+``end_step`` adds ``time/step`` (wall seconds since the previous step ended), the grad-norm
+spike flag and moving average (:class:`~megatron_tir.observe.diagnostics.GradNormSpikes`),
+``perf/generation_tokens_per_s`` (model tokens sampled / rollout seconds) and
+``perf/train_tokens_per_s`` (tokens through forward+backward / train seconds), logs the
+step line (:mod:`megatron_tir.observe.step_line`) at INFO, writes the step's dump when due
+and hands a few rendered trajectories to the trackers. It also copies the run's log records
+into ``RUN_DIR/train.log`` (plain text).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from megatron_tir.observe.diagnostics import GradNormSpikes
+from megatron_tir.observe.dumps import dump_path, row_fates, step_records, write_dump
+from megatron_tir.observe.show import render
+from megatron_tir.observe.step_line import format_step_line
+
+log = logging.getLogger("megatron_tir.steps")
+LOG_FILE = "train.log"
+
+
+class StepObserver:
+    def __init__(self, cfg, run_dir: Path, *, tokenizer, sink) -> None:
+        self.cfg, self.run_dir, self.tokenizer, self.sink = cfg, Path(run_dir), tokenizer, sink
+        self.log_cfg = cfg.trainer.log
+        self.spikes = GradNormSpikes(window=self.log_cfg.moving_average, factor=self.log_cfg.spike_factor)
+        self._records: list[dict] = []
+        self._gen_tokens = 0
+        self._t_end = time.perf_counter()
+        self._handler = logging.FileHandler(self.run_dir / LOG_FILE)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root = logging.getLogger()
+        self._handler.setLevel(root.getEffectiveLevel())
+        root.addHandler(self._handler)
+
+    def sampled(self, step: int, collected) -> None:
+        """After the step's rollouts (``collected``: :class:`megatron_tir.train.batch.Collected`)."""
+        self._gen_tokens = sum(t.num_model_tokens for g in collected.sampled for t in g.trajectories)
+        if not self.log_cfg.dump_due(step):
+            return
+        tc = self.cfg.trainer
+        fates = row_fates(collected.sampled, collected.groups, mode=tc.mode, advantage=tc.ppo.advantage,
+                          overlong=tc.filters.overlong,
+                          low_prob_fraction=tc.filters.low_prob_fraction, drop_zero_std=tc.filters.drop_zero_std,
+                          accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi)
+        self._records += step_records(step, "train", collected.sampled, self.tokenizer,
+                                      include_ids=self.log_cfg.dump_tokens, fates=fates)
+
+    def held_out(self, step: int, groups) -> None:
+        if self.log_cfg.dump_due(step) or (step == 0 and self.log_cfg.dump_every):
+            self._records += step_records(step, "eval", groups, self.tokenizer, include_ids=self.log_cfg.dump_tokens)
+        if step == 0:  # the evaluation before training: its own dump
+            self.flush(0)
+
+    def end_step(self, step: int, metrics: dict) -> dict[str, float]:
+        """The step-level diagnostics to add to ``metrics``; logs the step line, writes the dump."""
+        now = time.perf_counter()
+        extra = {"time/step": now - self._t_end}
+        self._t_end = now
+        grad = metrics.get("train/grad_norm")
+        if isinstance(grad, float):
+            extra |= self.spikes.update(grad)
+        if metrics.get("time/rollout"):
+            extra["perf/generation_tokens_per_s"] = self._gen_tokens / metrics["time/rollout"]
+        if metrics.get("time/train") and metrics.get("train/tokens"):
+            extra["perf/train_tokens_per_s"] = metrics["train/tokens"] / metrics["time/train"]
+        if step > 0:
+            log.info("%s", format_step_line(step, self.cfg.trainer.steps, metrics | extra))
+        self.flush(step)
+        return extra
+
+    def flush(self, step: int) -> None:
+        """Write the buffered records of ``step`` as its dump and show a few to the trackers."""
+        if not self._records:
+            return
+        records, self._records = self._records, []
+        path = dump_path(self.run_dir, step)
+        write_dump(path, records)
+        log.debug("step %d: %d trajectories dumped to %s", step, len(records), path)
+        n = self.log_cfg.text_samples
+        for split in ("train", "eval"):
+            picked = [r for r in records if r["split"] == split][:n]
+            rows = [{"split": split, "group": r["group_id"], "sample": r["sample_index"], "status": r["status"],
+                     "reward": r["reward"], "in_loss": (r.get("update") or {}).get("in_loss"),
+                     "dropped_by": (r.get("update") or {}).get("dropped_by"), "text": render(r)} for r in picked]
+            if rows:
+                self.sink.log_samples(step, f"rollouts/{split}", rows)
+
+    def close(self) -> None:
+        logging.getLogger().removeHandler(self._handler)
+        self._handler.close()

@@ -1,0 +1,83 @@
+"""Save and load a learner: its model, optimizer and lr scheduler in one policy checkpoint.
+
+``save_learner(learner, dir)`` writes the checkpoint layout of ``layout`` (the one
+``tir-ckpt`` reads): the model under sharded keys ``model.*``, the optimizer under
+``optimizer.*`` (megatron-core's own ``sharded_state_dict``, "fully_sharded_model_space" for
+the distributed optimizer, so any TP/PP/DP loads it) and the scheduler in the common state,
+then ``hf/`` and ``tir_ckpt.json`` (rank 0). A frozen learner (no optimizer) writes the model
+only. ``load_learner`` restores all three. Both are collective (every rank of the job). The
+run checkpoints (``megatron_tir.train.checkpoint``) hold one such directory per named
+learner.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files,
+                                                   read_meta, resolve_checkpoint, write_meta)
+from megatron_tir.policy.checkpoint.megatron_io import check_same_model
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_KEY = "scheduler"
+
+
+def _sharded_state(learner, *, is_loading: bool) -> dict:
+    model_sd = learner.module.sharded_state_dict(prefix=MODEL_PREFIX)
+    if learner.optimizer is None:
+        return {"model": model_sd}
+    optimizer_sd = learner.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+    return {"model": model_sd, "optimizer": optimizer_sd}
+
+
+def save_learner(learner, directory: str | Path) -> None:
+    """Model (+ optimizer + scheduler) of ``learner`` into the checkpoint ``directory`` (created,
+    must be empty or absent). Collective."""
+    from megatron.core import parallel_state
+
+    from megatron_tir.policy.checkpoint.dist_writer import save_sharded
+
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):  # every rank sees it: all raise, none waits
+        raise ValueError(f"checkpoint directory {directory} exists and is not empty")
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    state = _sharded_state(learner, is_loading=False)
+    if learner.scheduler is not None:
+        state[SCHEDULER_KEY] = learner.scheduler.state_dict()
+    save_sharded(state, directory)
+    if torch.distributed.get_rank() == 0:
+        copy_hf_files(learner.source.hf_files, directory / HF_FILES_DIR)
+        write_meta(directory, CheckpointMeta(
+            model_spec=learner.spec.to_dict(), hf_config=learner.source.hf_config, iteration=learner.step,
+            source=str(learner.config.model), tp=parallel_state.get_tensor_model_parallel_world_size(),
+            pp=parallel_state.get_pipeline_model_parallel_world_size()))
+    torch.distributed.barrier()
+
+
+def load_learner(learner, directory: str | Path) -> None:
+    """Restore ``learner``'s model, optimizer and scheduler from ``directory`` (any TP/PP wrote it);
+    a frozen learner takes the model only. Collective."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint(Path(directory))
+    check_same_model(read_meta(directory), learner.spec, f"this learner ({learner.config.model})")
+    if learner.optimizer is not None and SCHEDULER_KEY not in dist_checkpointing.load_common_state_dict(
+            str(directory)):
+        raise ValueError(f"{directory} has no optimizer/scheduler state (a converted model, not a learner "
+                         f"checkpoint: use it as LearnerConfig.model instead)")
+    loaded = dist_checkpointing.load(_sharded_state(learner, is_loading=True), str(directory))
+    model_state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded["model"].items()}
+    learner.module.load_state_dict(model_state, strict=True)
+    if learner.optimizer is not None:
+        learner.optimizer.load_state_dict(loaded["optimizer"])
+        learner.scheduler.num_steps = 0  # load_state_dict advances by the saved count from here
+        learner.scheduler.load_state_dict(loaded[SCHEDULER_KEY])
+    log.info("loaded %s into the learner (step %d)", directory, learner.step)

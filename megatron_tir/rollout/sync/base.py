@@ -1,0 +1,78 @@
+"""What every weight sync is: the learner's HF-named buckets into one kind of engine.
+
+A sync owns the whole update of its engine -- pause, load, flush, resume -- so nothing
+else pauses an engine. After a sync the engine's ``weight_version`` is one more than
+before (every generated token records the version that sampled it; see
+``Generation.versions``).
+
+Buckets are ``(stage, [(HF name, full tensor), ...])``: the pipeline stage the tensors
+come from (``Learner.named_hf_buckets``) and the tensors themselves. The syncs here send
+every bucket from the one rank that holds the engine; the stage is what a per-stage
+sender would split on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+Tensors = list[tuple[str, "torch.Tensor"]]
+Bucket = tuple[int, Tensors]  # (pipeline stage, tensors)
+
+
+class WeightSync(Protocol):
+    """One engine's weight transport; coroutines on the engine's event loop."""
+
+    async def start(self) -> None:
+        """Connect (join a process group, read the servers' weight version); once, before ``update``."""
+        ...
+
+    async def update(self, buckets: Iterable[Bucket]) -> int:
+        """Pause the engine, load every bucket, flush, resume; returns the engine's new weight version.
+
+        Generation is resumed on failure too, and the error re-raised.
+        """
+        ...
+
+    async def close(self) -> None: ...
+
+
+def buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+               stage: int = 0) -> Iterator[Bucket]:
+    """Group a stream of named tensors into buckets of at most ``bucket_bytes`` (one tensor may exceed it)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    tensors, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensors and size + nbytes > bucket_bytes:
+            yield stage, tensors
+            tensors, size = [], 0
+        tensors.append((name, tensor))
+        size += nbytes
+    if tensors:
+        yield stage, tensors
+
+
+def check_bucket(bucket: Bucket) -> Tensors:
+    """The bucket's tensors; ValueError for a bucket that is not ``(stage, [(name, tensor), ...])``."""
+    import torch
+
+    if not (isinstance(bucket, tuple) and len(bucket) == 2 and isinstance(bucket[0], int)):
+        raise ValueError(f"weight sync: a bucket is (stage, [(name, tensor), ...]), got {type(bucket).__name__}")
+    stage, tensors = bucket
+    if not tensors:
+        raise ValueError(f"weight sync: an empty bucket (stage {stage})")
+    for name, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight sync: {name} is a {type(tensor).__name__}, not a torch.Tensor")
+    return tensors
+
+
+def drain(buckets: Iterable[Bucket]) -> None:
+    """Take part in a collective export without an engine (every rank but the one holding it)."""
+    for _ in buckets:
+        pass
