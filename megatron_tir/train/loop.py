@@ -69,11 +69,12 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
         # 2. the update, then the new weights to the engines.
-        results = update_policy(cfg, got, learner, timings, temperature, reference, metrics)
-        if results:
+        metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference)
+        if got.rows is not None:
             with _timed(timings, "sync"):
                 source.sync_weights(learner)
-        steps_without_update = 0 if any(not r.skipped for r in results) else steps_without_update + 1
+        updated = metrics.get("train/optimizer_steps", 0) > metrics.get("train/skipped_steps", 0)
+        steps_without_update = 0 if updated else steps_without_update + 1
         state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
         # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
         if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
@@ -99,16 +100,14 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     return state
 
 
-def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, temperature: float, reference,
-                  metrics: dict) -> list:
+def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *, temperature: float,
+                  reference=None) -> dict[str, float]:
     """Old log-probs and the mode's token filter, then PPO epochs over mini-batches of this rank's
-    rows (every rank of the world takes the same number of optimizer steps). Adds the train
-    metrics to ``metrics``; returns the step results (none: no row trained this step)."""
+    rows (every rank of the world takes the same number of optimizer steps); the train metrics."""
     tc = cfg.trainer
     if got.rows is None:
-        metrics["train/skipped_empty_batch"] = 1.0
         log.warning("no group passed the filters; no update")
-        return []
+        return {"train/skipped_empty_batch": 1.0}
     rows = got.rows
     with _timed(timings, "logprobs"):
         if tc.ppo.old_logprobs == "learner":
@@ -132,7 +131,7 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, t
     if max_ratio is None:
         max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
-    metrics |= {
+    metrics = {
         "filter/low_prob_tokens_masked": _replica_sum(float(update.low_prob_masked)),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
@@ -143,7 +142,7 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, t
     }
     means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
     metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
-    return results
+    return metrics
 
 
 class _NoObserver:
@@ -184,6 +183,6 @@ def _replica_sum(value: float) -> float:
     from megatron.core import parallel_state
 
     mine = value if parallel_state.get_model_parallel_group().rank() == 0 else 0.0
-    t = torch.tensor([mine], dtype=torch.float64)
+    t = torch.tensor([mine], dtype=torch.float64, device=collective_device())
     torch.distributed.all_reduce(t)
     return float(t.item())

@@ -105,8 +105,7 @@ def dp_update_rank(rank: int, world: int, out: str) -> None:
     with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
         source.submit(1)
         got = source.next(1)
-        metrics: dict = {}
-        update_policy(cfg, got, learner, {}, 1.0, None, metrics)
+        metrics = update_policy(cfg, got, learner, {}, temperature=1.0)
         received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics}
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     torch.save(received, f"{out}/received_rank{rank}.pt")
