@@ -37,7 +37,7 @@ def crafted_groups(offset: int, n: int) -> list[Group]:
         for i, (status, reward, tokens) in enumerate(SPECS[gid % len(SPECS)]):
             t = Trajectory(group_id=gid, sample_index=i, prompt_ids=[1, 2, 3 + gid % 5])
             t.append_model_tokens([20 + (7 * gid + 3 * i + k) % 200 for k in range(tokens)],
-                                  [-0.5 - 0.1 * k for k in range(tokens)])
+                                  [-0.5 - 0.1 * k for k in range(tokens)], [0] * tokens)
             t.status, t.reward = status, reward
             trajs.append(t)
         out.append(Group(group_id=gid, problem=None, trajectories=trajs))

@@ -22,17 +22,12 @@ def test_recipes_round_trip_through_json(name):
     assert cfg.learner.model == cfg.engine.model == cfg.model
 
 
-def test_paper_hyper_parameters_in_the_simpletir_recipes():
-    for name, (tp, pp) in {"qwen2.5-7b-simpletir": (4, 1), "qwen2.5-32b-simpletir": (8, 2)}.items():
-        c = load_recipe(name)
-        assert (c.learner.tp, c.learner.pp, c.learner.lr, c.learner.grad_clip) == (tp, pp, 1e-6, 1.0)
-        assert (c.rollout.temperature, c.rollout.n_samples, c.rollout.max_turns, c.rollout.max_response_tokens) == (
-            1.0, 16, 5, 16384)
-        t = c.trainer
-        assert (t.sampling.sample_prompts, t.sampling.prompts_per_step, t.ppo.epochs, t.mode) == (1280, 512, 4, "simpletir")
-        assert (t.loss.clip_low, t.loss.clip_high, t.loss.dual_clip, t.loss.kl_coef, t.loss.entropy_coef) == (
-            0.2, 0.28, 3.0, 0.0, 0.0)
-        assert (t.turn_schedule.max_turns, t.turn_schedule.max_response_tokens, t.turn_schedule.on_plateau) == (10, 24576, True)
+def test_the_simpletir_recipes_differ_only_in_model_and_layout():
+    """One set of SimpleTIR hyper-parameters (appendix C.2, in the recipe's docstring) for both sizes."""
+    small, large = to_dict(load_recipe("qwen2.5-7b-simpletir")), to_dict(load_recipe("qwen2.5-32b-simpletir"))
+    for d in (small, large):
+        d.pop("model"), d["learner"].pop("model"), d["engine"].pop("model"), d["learner"].pop("tp"), d["learner"].pop("pp")
+    assert small == large
 
 
 def test_launcher_keys_in_any_order():
