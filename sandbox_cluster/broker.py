@@ -98,6 +98,7 @@ class _Worker:
     uids: list[int]
     instance: str
     exposed: list[str] = field(default_factory=list)
+    zygote_restarts: list[int] = field(default_factory=list)
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -279,6 +280,7 @@ class Broker:
                      f"; MISSING protections: {', '.join(missing)}" if missing else "")
         worker.free += hello.free
         worker.protections = list(hello.protections)
+        worker.zygote_restarts = list(hello.zygote_restarts)
 
     def _on_result(self, worker: _Worker, result: P.ExecResult) -> None:
         task = self.tasks.get(result.id)
@@ -353,7 +355,8 @@ class Broker:
     def status(self) -> P.ClusterStatus:
         return P.ClusterStatus(
             workers=[P.WorkerInfo(name=w.name, slots=w.slots, free=w.free, in_flight=len(w.in_flight),
-                                  protections=w.protections, uids=w.uids, exposed=w.exposed)
+                                  protections=w.protections, uids=w.uids, exposed=w.exposed,
+                                  zygote_restarts=w.zygote_restarts)
                      for w in self.workers.values()],
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),

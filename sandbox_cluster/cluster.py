@@ -7,7 +7,12 @@ embedded default run, and tests::
         with SandboxClient(cluster.address) as client:
             print(client.run("print(1 + 1)").stdout)
 
-A worker that dies is restarted (its in-flight request is retried by the broker).
+A worker that dies is restarted (its in-flight request is retried by the broker); a broker
+that dies is restarted on the same endpoints (workers rejoin it, clients resend what it had
+not accepted; what it had accepted is answered ``sandbox_error`` at the client's deadline).
+The cluster's temporary directory (its ipc sockets) is removed by ``close``, when start-up
+fails, when the object is collected or the interpreter exits without ``close``, and, after a
+kill, by the next ``LocalCluster`` started on the host (its name holds its owner's pid).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from .broker import derive_worker_endpoint
@@ -34,6 +40,36 @@ log = logging.getLogger(__name__)
 
 # The broker and workers run this very sandbox_cluster (not whatever the cwd or site-packages hold).
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_TMP_PREFIX = "sandbox-cluster-"
+
+
+def remove_stale_dirs(parent: str | None = None) -> list[str]:
+    """Remove the temporary directories of LocalClusters whose owner process is gone (killed
+    before it could clean up); returns them. A directory is named ``sandbox-cluster-<pid>-*``."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(_TMP_PREFIX):].partition("-")[0]
+        if not name.startswith(_TMP_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class LocalCluster:
@@ -76,9 +112,13 @@ class LocalCluster:
         self._hb = (heartbeat_interval_s, heartbeat_liveness)
         if address is not None:
             worker_address = worker_address or derive_worker_endpoint(address)  # validates both
-        self._tmpdir = tempfile.mkdtemp(prefix="sandbox-cluster-")
+        remove_stale_dirs()
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
+        # Collected or left at interpreter exit without close(): the directory goes all the same.
+        self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self._tmpdir, ignore_errors=True)
         address = address or f"ipc://{self._tmpdir}/client.sock"
         worker_address = worker_address or derive_worker_endpoint(address)
+        self._max_queue = max_queue
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self.broker: subprocess.Popen | None = None
@@ -87,6 +127,9 @@ class LocalCluster:
         self._fast_failures = [0] * workers  # consecutive exits soon after start: restart with backoff
         self._restart_at = [0.0] * workers
         self.restarts = 0
+        self.broker_restarts = 0
+        self._broker_failures = 0
+        self._broker_restart_at = 0.0
         try:
             self._start_broker(address, worker_address, max_queue)
             for i in range(workers):
@@ -106,6 +149,7 @@ class LocalCluster:
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:
         interval, liveness = self._hb
+        self._broker_started_at = time.monotonic()
         self.broker = subprocess.Popen(
             self._cli("broker", "--bind", address, "--worker-bind", worker_address, "--max-queue", str(max_queue),
                       "--heartbeat-interval", str(interval), "--heartbeat-liveness", str(liveness)),
@@ -151,6 +195,8 @@ class LocalCluster:
         while not self._closing.wait(0.2):
             with self._lock:
                 now = time.monotonic()
+                if self.broker is not None and self.broker.poll() is not None and not self._closing.is_set():
+                    self._restart_broker(now)
                 for i, proc in enumerate(self.workers):
                     if proc is None or proc.poll() is None or self._closing.is_set() or not self.restart_workers:
                         continue
@@ -166,12 +212,40 @@ class LocalCluster:
                         self.workers[i] = self._spawn_worker(i)
                         self.restarts += 1
 
+    def _restart_broker(self, now: float) -> None:
+        """On the endpoints it had (as bound: a tcp port 0 keeps the port it got)."""
+        if self._broker_restart_at == 0.0:  # just noticed the exit
+            lived = now - self._broker_started_at
+            self._broker_failures = self._broker_failures + 1 if lived < 30 else 0
+            delay = 0.0 if self._broker_failures <= 1 else min(30.0, 0.5 * 2 ** self._broker_failures)
+            log.warning("broker exited with %s after %.1f s; restarting in %.1f s", self.broker.returncode, lived,
+                        delay)
+            self._broker_restart_at = now + delay
+        if now < self._broker_restart_at:
+            return
+        self._broker_restart_at = 0.0
+        if self.broker.stdout is not None:
+            self.broker.stdout.close()
+        try:
+            self._start_broker(self.address, self.worker_address, self._max_queue)
+        except (RuntimeError, OSError) as exc:  # tried again on the next round, with backoff
+            log.error("broker restart failed: %s", exc)
+            return
+        self.broker_restarts += 1
+
     # ---- public
 
     @property
     def broker_pid(self) -> int:
         assert self.broker is not None
         return self.broker.pid
+
+    def kill_broker(self) -> int:
+        """SIGKILL the broker (it is restarted); returns its pid."""
+        with self._lock:
+            assert self.broker is not None
+            self.broker.kill()
+            return self.broker.pid
 
     @property
     def worker_pids(self) -> list[int]:
@@ -210,7 +284,7 @@ class LocalCluster:
                     proc.wait()
             if self.broker is not None and self.broker.stdout is not None:
                 self.broker.stdout.close()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._remove_tmpdir()
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -54,6 +54,7 @@ PR_SET_NO_NEW_PRIVS = 38
 # Directories a non-root process can usually write to; each gets a private size-limited tmpfs.
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WORKDIR = "/tmp"
+_MNT_DETACH = 2
 
 
 def check(ret: int, what: str) -> None:
@@ -123,8 +124,9 @@ def disable_ipc() -> None:
         f.write(f"{semmsl} {semmns} {semopm} 0")
 
 
-def mount_private_tmpfs(size_mb: int, uid: int, gid: int, root: str = "", sticky: tuple[str, ...] = ()) -> list[str]:
-    """Mount a size-limited tmpfs owned by the slot uid over each world-writable dir under
+def mount_private_tmpfs(size_mb: int, inodes: int, uid: int, gid: int, root: str = "",
+                        sticky: tuple[str, ...] = ()) -> list[str]:
+    """Mount a size- and inode-limited tmpfs owned by the slot uid over each world-writable dir under
     ``root`` (creating it there if ``root`` is given); returns the mount points (without
     ``root``). Those in ``sticky`` are root's and mode 1777 instead, like a host's /tmp."""
     mounted = []
@@ -134,32 +136,91 @@ def mount_private_tmpfs(size_mb: int, uid: int, gid: int, root: str = "", sticky
         elif not os.path.isdir(path):
             continue
         mode = "1777,uid=0,gid=0" if path in sticky else f"0700,uid={uid},gid={gid}"
-        mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode={mode}")
+        mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,nr_inodes={inodes},mode={mode}")
         mounted.append(path)
     if WORKDIR not in mounted:
         raise RuntimeError(f"{WORKDIR} does not exist; no working directory")
     return mounted
 
 
-def wipe_dir(path: str, keep: frozenset[str] | set[str] = frozenset()) -> None:
-    """Remove everything inside ``path`` but the entries named in ``keep`` (full paths: root's
-    directories that lead to an exposed tree), as root: a cell's chmod tricks do not stop it."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WIPE_BATCH = 4096  # names unlinked per directory listing: the memory a wipe needs stays small
+
+
+def fresh_tmpfs(path: str, size_mb: int, inodes: int, uid: int, gid: int) -> None:
+    """Replace the private tmpfs at ``path`` (one ``mount_private_tmpfs`` made, holding no
+    mount) by an empty one: everything in it goes at once, in the kernel, whatever its shape."""
+    check(libc.umount2(path.encode(), _MNT_DETACH), f"umount {path}")
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,nr_inodes={inodes},mode=0700,uid={uid},gid={gid}")
+
+
+def inodes_used(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_files - st.f_ffree
+
+
+def wipe_dir(path: str, keep: frozenset[str] | set[str] = frozenset()) -> int:
+    """Remove everything inside ``path`` but the entries named in ``keep`` (full paths of
+    entries directly in ``path``: root's directories that lead to an exposed tree), as root: a
+    cell's chmod tricks do not stop it. Returns the entries removed.
+
+    Any tree a cell can build is removed in time linear in its entries, with constant memory
+    and no recursion: one directory fd at a time, names relative to it (a 5,000-deep tree has
+    paths far past PATH_MAX), a bounded batch of names per listing, up through ``..`` (nothing
+    else runs in the tree: the cell's processes are dead)."""
     try:
-        entries = list(os.scandir(path))
+        fd = os.open(path, _DIR_FLAGS)
     except FileNotFoundError:
-        return
-    for entry in entries:
-        if entry.path in keep:
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                os.chmod(entry.path, 0o700)
-                wipe_dir(entry.path)
-                os.rmdir(entry.path)
-            else:
-                os.unlink(entry.path)
-        except FileNotFoundError:
-            pass
+        return 0
+    top = os.path.normpath(path)
+    skip = {os.path.basename(k) for k in keep if os.path.dirname(os.path.normpath(k)) == top}
+    below: list[str] = []  # the names from ``path`` down to the directory ``fd`` is
+    removed = 0
+    try:
+        while True:
+            batch, sub = [], None
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if not below and entry.name in skip:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        sub = entry.name
+                        break
+                    batch.append(entry.name)
+                    if len(batch) >= _WIPE_BATCH:
+                        break
+            for name in batch:
+                try:
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+            if sub is not None:
+                fd = _enter(fd, sub)
+                below.append(sub)
+            elif batch:
+                continue  # (listed again: what is left)
+            elif not below:
+                return removed
+            else:  # empty: up, and remove it
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(below.pop(), dir_fd=fd)
+                removed += 1
+    finally:
+        os.close(fd)
+
+
+def _enter(fd: int, name: str) -> int:
+    """Open the subdirectory ``name`` of ``fd`` (closing ``fd``), whatever mode the cell left it in."""
+    try:
+        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except PermissionError:
+        os.chmod(name, 0o700, dir_fd=fd, follow_symlinks=False)
+        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    os.close(fd)
+    return sub
 
 
 # --------------------------------------------------------------------------- scheduling

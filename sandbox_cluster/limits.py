@@ -17,6 +17,9 @@ class SandboxLimits:
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_file_mb: int = 64  # RLIMIT_FSIZE: largest single file a cell may write
     tmpfs_mb: int = 64  # size of each private tmpfs (/tmp = working dir, /var/tmp, /dev/shm)
+    # inodes of each private tmpfs (files, directories, links): bounds what a cell can leave
+    # behind, and so the time the wipe after it takes (linear in the entries)
+    tmpfs_inodes: int = 16384
     cpu_slack_s: float = 1.0  # RLIMIT_CPU = ceil(timeout) + slack (the wall clock usually fires first)
     output_head_bytes: int = 32 << 10  # per stream: kept from the start ...
     output_tail_bytes: int = 8 << 10  # ... and from the end when a stream is truncated
@@ -34,6 +37,8 @@ class SandboxLimits:
             raise ValueError(f"max_file_mb={self.max_file_mb} outside [1, 65536]")
         if not 1 <= self.tmpfs_mb <= 1 << 16:
             raise ValueError(f"tmpfs_mb={self.tmpfs_mb} outside [1, 65536]")
+        if not 64 <= self.tmpfs_inodes <= 1 << 22:
+            raise ValueError(f"tmpfs_inodes={self.tmpfs_inodes} outside [64, {1 << 22}]")
         if not 0 <= self.cpu_slack_s <= 60:
             raise ValueError(f"cpu_slack_s={self.cpu_slack_s} outside [0, 60]")
         if self.output_head_bytes < 0 or self.output_tail_bytes < 0:

@@ -7,6 +7,7 @@ Messages are msgspec Structs encoded with msgpack. A client sends an
 from __future__ import annotations
 
 import enum
+import os
 import socket
 import struct
 
@@ -148,6 +149,7 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     running: list[str] = msgspec.field(default_factory=list)  # request ids its slots are running now
     exposed: list[str] = msgspec.field(default_factory=list)  # host paths its cells' root shows (read-only)
     protocol_version: int = PROTOCOL_VERSION
+    zygote_restarts: list[int] = msgspec.field(default_factory=list)  # per slot: times its zygote was replaced
 
 
 class SlotFailure(msgspec.Struct, kw_only=True, frozen=True):
@@ -165,6 +167,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     protections: list[Protection] = msgspec.field(default_factory=list)
     uids: list[int] = msgspec.field(default_factory=list)
     exposed: list[str] = msgspec.field(default_factory=list)
+    zygote_restarts: list[int] = msgspec.field(default_factory=list)  # per slot, as its worker last said
 
 
 class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -224,11 +227,20 @@ def salvage_id(data: bytes) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Worker <-> zygote: length-prefixed frames over a socketpair. The zygote's first frame is
-# a ``ZygoteHello``; then requests (``ExecRequest``) go in and results (``ExecResult``) out.
+# Worker <-> zygote, over a socketpair. The zygote never sees what a request carries (code,
+# stdin, files) nor keeps what its cell printed: whatever a zygote held, the cells it forks
+# later would inherit. Its first frame is a ``ZygoteHello``; then, per request:
+#   worker -> zygote : ``CELL_JOB`` (timeout, memory_mb), one fixed-size message carrying a
+#                      memfd that holds the encoded ``ExecRequest`` (SCM_RIGHTS); the zygote
+#                      passes the fd on to its cell unread;
+#   zygote -> worker : one length-prefixed frame: the length of a ``CellOutcome``, the
+#                      outcome, then the raw head and tail of the cell's stdout and stderr,
+#                      read into buffers no later cell inherits and unmapped once sent.
+# The worker names the status (``zygote.supervise.classify``) and builds the ``ExecResult``.
 # ---------------------------------------------------------------------------
 
 _LEN = struct.Struct("!I")
+CELL_JOB = struct.Struct("!dI")  # timeout (s), memory_mb
 
 
 class ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
@@ -238,8 +250,79 @@ class ZygoteHello(msgspec.Struct, kw_only=True, frozen=True):
     exposed: list[str] = msgspec.field(default_factory=list)
 
 
+class CellOutcome(msgspec.Struct, kw_only=True, frozen=True):
+    """How one cell ended, as its zygote saw it: numbers only, nothing the cell wrote."""
+
+    verdict: str = ""  # a Status value when the zygote ended the cell (timeout, output_limit)
+    exit_code: int = 0  # as os.waitstatus_to_exitcode gives it (negative: that signal)
+    wall_time: float = 0.0
+    cpu_time: float = 0.0
+    cpu_limit: int = 0
+    oom: bool = False  # the slot's memory cgroup killed a process during the request
+    timeout: float = 0.0
+    memory_mb: int = 0
+    error: str = ""  # the zygote could not run the request (answered sandbox_error)
+    # per stream: total bytes written, bytes of head and of tail that follow the outcome
+    stdout: tuple[int, int, int] = (0, 0, 0)
+    stderr: tuple[int, int, int] = (0, 0, 0)
+
+
+_outcome_decoder = msgspec.msgpack.Decoder(CellOutcome)
+
+
 def decode_zygote_hello(data: bytes) -> ZygoteHello:
     return msgspec.msgpack.decode(data, type=ZygoteHello)
+
+
+def send_job(sock: socket.socket, timeout: float, memory_mb: int, request_fd: int) -> None:
+    socket.send_fds(sock, [CELL_JOB.pack(timeout, memory_mb)], [request_fd])
+
+
+def recv_job(sock: socket.socket) -> tuple[float, int, int] | None:
+    """(timeout, memory_mb, request fd) of the next request; None on a clean EOF."""
+    data, fds, _, _ = socket.recv_fds(sock, CELL_JOB.size, 1)
+    if not data and not fds:
+        return None
+    while len(data) < CELL_JOB.size:  # (a stream socket may split even a small message)
+        more = sock.recv(CELL_JOB.size - len(data))
+        if not more:
+            raise ConnectionError("peer closed mid-message")
+        data += more
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"a request came with {len(fds)} fds, not 1")
+    timeout, memory_mb = CELL_JOB.unpack(data)
+    return timeout, memory_mb, fds[0]
+
+
+def send_outcome(sock: socket.socket, outcome: CellOutcome, output: list[memoryview]) -> None:
+    """One frame: the outcome and the output buffers, gathered straight from where they lie."""
+    meta = _encoder.encode(outcome)
+    parts = [_LEN.pack(len(meta)), meta, *output]
+    total = sum(len(p) for p in parts)
+    parts.insert(0, _LEN.pack(total))
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if sent:
+            parts[0] = memoryview(parts[0])[sent:]
+
+
+def decode_outcome(frame: bytes) -> tuple[CellOutcome, tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """(outcome, (stdout head, tail), (stderr head, tail)) of a frame ``send_outcome`` sent."""
+    (size,) = _LEN.unpack_from(frame)
+    outcome = _outcome_decoder.decode(frame[_LEN.size:_LEN.size + size])
+    pos = _LEN.size + size
+    streams = []
+    for _, head, tail in (outcome.stdout, outcome.stderr):
+        streams.append((frame[pos:pos + head], frame[pos + head:pos + head + tail]))
+        pos += head + tail
+    if pos != len(frame):
+        raise ValueError(f"outcome frame of {len(frame)} bytes, {pos} announced")
+    return outcome, streams[0], streams[1]
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

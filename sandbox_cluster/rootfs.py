@@ -229,7 +229,7 @@ class Root:
 
 
 def build_root(exposed: list[str], masked: list[str], literal: list[str], *, uid: int, gid: int,
-               scratch_mb: int) -> Root:
+               scratch_mb: int, scratch_inodes: int) -> Root:
     """Build the cell's root and pivot into it (in the caller's private mount namespace, as root;
     ``uid``/``gid``: the cells' user, owner of the scratch tmpfs). Raises OSError naming the
     step that failed, leaving the caller's view of the host as it was."""
@@ -243,7 +243,8 @@ def build_root(exposed: list[str], masked: list[str], literal: list[str], *, uid
         stage = isolation.WORKDIR  # any directory will do: the new root is mounted over it, privately
         mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
         try:
-            root = _populate(stage, clones, exposed, masked, literal, uid=uid, gid=gid, scratch_mb=scratch_mb)
+            root = _populate(stage, clones, exposed, masked, literal, uid=uid, gid=gid, scratch_mb=scratch_mb,
+                             scratch_inodes=scratch_inodes)
             os.makedirs(f"{stage}/{_OLD_ROOT}", mode=0o700)
             _pivot_root(stage, f"{stage}/{_OLD_ROOT}")
         except BaseException:
@@ -260,13 +261,13 @@ def build_root(exposed: list[str], masked: list[str], literal: list[str], *, uid
 
 
 def _populate(stage: str, clones: list[tuple[str, bool, int]], exposed: list[str], masked: list[str],
-              literal: list[str], *, uid: int, gid: int, scratch_mb: int) -> Root:
+              literal: list[str], *, uid: int, gid: int, scratch_mb: int, scratch_inodes: int) -> Root:
     os.makedirs(stage + "/dev", mode=0o755)
     mount("tmpfs", stage + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     # A /tmp holding an exposed tree (a venv under /tmp) is root's and sticky, like a host's
     # /tmp: a cell writes there but cannot move or remove the directories leading to the tree.
     holders = tuple(d for d in isolation.WORLD_WRITABLE_DIRS if any(_within(e, d) for e in exposed))
-    scratch = isolation.mount_private_tmpfs(scratch_mb, uid, gid, stage, holders)
+    scratch = isolation.mount_private_tmpfs(scratch_mb, scratch_inodes, uid, gid, stage, holders)
     keep = sorted({d + "/" + e[len(d) + 1:].split("/")[0] for d in holders for e in exposed if _within(e, d)})
     for path in literal:
         _recreate_symlinks(stage, path, exposed)
@@ -280,8 +281,26 @@ def _populate(stage: str, clones: list[tuple[str, bool, int]], exposed: list[str
         os.symlink(target, f"{stage}/dev/{name}")
     _minimal_etc(stage, uid, gid)
     os.makedirs(stage + "/proc", mode=0o555)
-    mount("proc", stage + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount_proc(stage + "/proc", scratch_file=stage + "/etc/.empty")
     return Root(scratch=scratch, keep=keep)
+
+
+_HIDDEN_PROC_FILES = ("cmdline",)  # host facts no interpreter needs: shown empty
+
+
+def mount_proc(target: str, scratch_file: str) -> None:
+    """A /proc of the caller's pid namespace at ``target``, with an empty kernel command line:
+    an empty root-owned file (made at ``scratch_file`` and removed once bound) read-only over
+    ``/proc/cmdline``."""
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    mount("proc", target, "proc", flags)
+    _write(scratch_file, b"", 0o444)
+    try:
+        for name in _HIDDEN_PROC_FILES:
+            mount(scratch_file, f"{target}/{name}", None, isolation.MS_BIND)
+            mount("none", f"{target}/{name}", None, isolation.MS_BIND | isolation.MS_REMOUNT | isolation.MS_RDONLY | flags)
+    finally:
+        os.unlink(scratch_file)  # (the binds keep the file)
 
 
 def _pivot_root(new_root: str, put_old: str) -> None:

@@ -21,13 +21,15 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from . import protocol as P
 from .isolation import UidLease
 from .limits import SandboxLimits
-from .protocol import decode_zygote_hello, recv_frame, send_frame
+from .protocol import decode_zygote_hello, recv_frame
 from .zygote import CELL_ENV
+from .zygote.supervise import exec_result
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class ZygoteProcess:
         self.busy_id: str | None = None
         self.busy_deadline = 0.0  # past this the zygote is stuck: it is killed and the request retried
         self.credit_owed = False  # died while busy: the broker gets this slot back when it is ready again
+        self.restarts = 0  # times this slot's zygote was replaced
         self.protections: list[P.Protection] = []
         self.exposed: list[str] = []  # what the cells' root shows of the host
 
@@ -88,7 +91,7 @@ class ZygoteProcess:
         self.proc = subprocess.Popen(
             # -P: the worker's cwd is not on the zygote's sys.path (nor in the cells' root)
             [sys.executable, "-P", "-m", "sandbox_cluster.zygote", "--fd", str(theirs.fileno()),
-             "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(), "--parent", str(os.getpid()),
+             "--uid", str(self.uid_lease.uid), "--limits", self.limits.to_json(),
              *(["--cell-nice", str(self.cell_nice)] if self.cell_nice is not None else []),
              "--log-level", _log_level()],
             env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
@@ -102,9 +105,18 @@ class ZygoteProcess:
         assert self.sock is not None
         return self.sock.fileno()
 
-    def send(self, payload: bytes) -> None:
+    def send(self, req: P.ExecRequest, payload: bytes) -> None:
+        """Hand ``req`` (``payload`` encoded) to the zygote: its limits as numbers, the request
+        itself in a memfd the zygote passes on to its cell unread."""
         assert self.sock is not None
-        send_frame(self.sock, payload)
+        fd = os.memfd_create("request", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            P.send_job(self.sock, req.timeout, req.memory_mb, fd)
+        finally:
+            os.close(fd)
 
     def recv(self) -> bytes | None:
         assert self.sock is not None
@@ -164,7 +176,8 @@ class Worker:
         hello = P.WorkerHello(name=self.config.name, slots=self.config.slots, free=free,
                               protections=self.protections(), uids=self._uids(), instance=self.instance,
                               exposed=self.exposed(),
-                              running=[s.busy_id for s in self.slots if s.busy_id is not None])
+                              running=[s.busy_id for s in self.slots if s.busy_id is not None],
+                              zygote_restarts=[s.restarts for s in self.slots])
         self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
 
     def _uids(self) -> list[int]:
@@ -310,7 +323,7 @@ class Worker:
             slot.busy_id = req.id
             slot.busy_deadline = time.monotonic() + req.timeout + self.config.stuck_grace_s
             try:
-                slot.send(payload)
+                slot.send(req, payload)
             except OSError as exc:
                 self._zygote_died(slot, f"send failed: {exc}")
 
@@ -333,8 +346,12 @@ class Worker:
             slot.credit_owed = False
             self._announce(1)  # a known worker's READY adds its slots to the idle count
             return
-        slot.busy_id = None
-        self.socket.send_multipart([P.KIND_RESULT, frame])
+        busy, slot.busy_id = slot.busy_id, None
+        try:
+            result = exec_result(busy or "", *P.decode_outcome(frame), self.config.limits.output_hard_cap_bytes)
+        except (ValueError, msgspec.DecodeError) as exc:  # a bug: answer anyway
+            result = P.ExecResult(id=busy or "", status=P.Status.SANDBOX_ERROR, message=f"zygote reply: {exc}")
+        self.socket.send_multipart([P.KIND_RESULT, P.encode(result)])
 
     def _zygote_died(self, slot: ZygoteProcess, reason: str) -> None:
         code = slot.proc.poll() if slot.proc is not None else None
@@ -347,3 +364,5 @@ class Worker:
         if not was_ready:  # it died while warming up: something is wrong with this host, not with a cell
             raise RuntimeError(f"zygote {slot.index} failed to start again ({reason}); worker exits")
         slot.start()
+        slot.restarts += 1
+        self._announce(0)  # no new idle slot; it tells the broker (and STATUS) of the restart

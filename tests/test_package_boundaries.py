@@ -66,6 +66,17 @@ def test_dependencies_point_one_way():
     assert ("sandbox_cluster", "checkpoints_tools") not in edges
 
 
+def test_the_tir_protocol_does_not_import_the_sandbox():
+    """Tools are a seam: the TIR protocol reads tool calls and program outcomes through its own
+    types; the sandbox's (``ExecResult``, ``Status``) stay with the Python tool in ``rollout.tools``."""
+    tir = {m: p for m, p in _modules("megatron_tir").items() if m == "megatron_tir.tir" or
+           m.startswith("megatron_tir.tir.")}
+    assert "megatron_tir.tir.protocol" in tir
+    imported = {name for module, path in tir.items() for name in _imports(module, path)}
+    assert not {n for n in imported if n.split(".")[0] == "sandbox_cluster"}
+    assert not {n for n in imported if n.startswith("megatron_tir.rollout")}  # and not the rollout side
+
+
 def test_relative_imports_are_resolved(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()

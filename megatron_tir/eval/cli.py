@@ -37,7 +37,7 @@ def _finite_float(text: str) -> float:
 def register(sub: argparse._SubParsersAction) -> None:
     help_text = "evaluate a model with multi-turn TIR rollouts (avg@k, pass@k, TIR metrics)"
     p = sub.add_parser("eval", help=help_text, description=help_text, argument_default=argparse.SUPPRESS)
-    p.add_argument("--model", required=True, help="engine.model: smollm2, tiny-qwen2 or an HF model directory")
+    p.add_argument("--model", required=True, help="engine.model: smollm2, tiny-qwen2, an HF model directory, or a checkpoint (run dir: its latest step; step dir; policy checkpoint)")
     p.add_argument("--data", required=True, help="aime24 | aime25 | math500 | math_train | a verl parquet file")
     p.add_argument("--limit", type=int, help="limit: evaluate the first M problems")
     p.add_argument("--out", help="out: one JSON line per sample (text, turns, tool results, reward)")

@@ -116,7 +116,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "void_trajectory_ratio": _mean([t.status is FinishStatus.VOID for t in trajs]),
         "void_turn_share": _ratio(sum(x.kind is TurnKind.VOID for x in all_turns), len(all_turns)),
         "code_trajectory_ratio": _mean([c > 0 for c in code]),
-        "exec_ok_ratio": _ratio(sum(x.tool.status is Status.OK for x in execs), len(execs)),
+        "exec_ok_ratio": _ratio(sum(x.tool.status == Status.OK for x in execs), len(execs)),
         "correct_with_code": _ratio(sum(any(x.tool is not None for x in t.turns) for t in correct), len(correct)),
         "completed_ratio": _mean([t.status is FinishStatus.COMPLETED for t in trajs]),
         "infra_failure_ratio": _mean([t.status in INFRA_STATUSES for t in trajs]),

@@ -3,6 +3,11 @@
     tir-launch --recipe tiny-cpu --executor local
     tir-launch --recipe qwen2.5-32b-simpletir --executor slurm --cluster launch/examples/h100.yaml --dryrun
     tir-launch --resume RUN_DIR --set rollout.max_turns=10 --set rollout.max_response_tokens=24576
+    tir-launch plan --recipe qwen2.5-32b-simpletir --cluster launch/examples/h100.yaml
+
+``plan`` prints the capacity plan (memory per trainer stage and SGLang server, weight sync,
+sandbox slots, time to the first checkpoint) and exits 2 when the run does not fit; a Slurm
+launch runs the same checks before it submits.
 
 User errors print ``tir-launch: error: <one line>`` and exit 2; a local run exits with the
 trainer's exit status.
@@ -81,7 +86,9 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
         root = cluster.run_root if cluster is not None else LOCAL_RUN_ROOT
         run_dir = str(Path(args.out or Path(root) / _run_name(recipe)).absolute())
     if cluster is not None:
-        check_layout(cluster, layout, where=args.cluster or f"{args.resume}/{LAUNCH_RECORD}")
+        where = args.cluster or f"{args.resume}/{LAUNCH_RECORD}"
+        check_layout(cluster, layout, where=where)
+        _check_capacity(args, cluster, where)
     elif args.emit_sbatch:
         raise ValueError("--emit-sbatch is for --executor slurm")
     elif layout.tp * layout.pp > 1:
@@ -89,6 +96,42 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
     spec = RunSpec(recipe=recipe, layout=layout, run_dir=run_dir, resume=bool(args.resume),
                    overrides=tuple(args.overrides))
     return executor, spec, cluster
+
+
+def _check_capacity(args, cluster: Cluster, where: str) -> None:
+    """The capacity planner's checks (ValueError when the run does not fit); a model whose shape is
+    unknown here is only warned about."""
+    from megatron_tir.launch.layout import train_config
+    from megatron_tir.launch.plan import check_plan, plan_run
+
+    cfg = train_config(recipe=None if args.resume else args.recipe, run_dir=args.resume, overrides=args.overrides)
+    try:
+        plan = plan_run(cfg, cluster)
+    except ValueError as exc:
+        log.warning("capacity plan skipped: %s", exc)
+        return
+    check_plan(plan, where=where)
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="tir-launch plan", description="the capacity plan of a recipe on a cluster file")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--cluster", required=True, help="cluster file (YAML, see launch/examples/h100.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    from megatron_tir.launch.layout import train_config
+    from megatron_tir.launch.plan import plan_run
+
+    try:
+        cfg = train_config(recipe=args.recipe, overrides=args.overrides)
+        cluster = load_cluster(args.cluster)
+        plan = plan_run(cfg, cluster)
+    except ValueError as exc:
+        p.error(str(exc))
+    print(f"tir-launch plan --recipe {args.recipe} --cluster {args.cluster}"
+          + "".join(f" --set {o}" for o in args.overrides))
+    print(plan.table())
+    return 2 if plan.problems else 0
 
 
 def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
@@ -138,6 +181,10 @@ def _local(args, spec: RunSpec) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        logging.basicConfig(level="WARNING")
+        return plan_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -29,12 +29,17 @@ class Partition:
     gpus_per_node: int
     cpus_per_node: int
     gpu_only: bool = False  # the site rejects jobs or nodes that leave its GPUs idle
+    gpu_memory_gib: float | None = None  # per GPU (the capacity planner's memory checks need it)
+    gpu_tflops: float | None = None  # dense bf16 peak per GPU (the planner's step-time estimate)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
             raise ValueError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+        for key in ("gpu_memory_gib", "gpu_tflops"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.gpu_only and self.gpus_per_node == 0:
             raise ValueError("gpu_only is set on a partition without GPUs")
 

@@ -1,7 +1,8 @@
 """What the launcher needs from the training config: the recipe's model and parallel layout.
 
 This is the launcher's one contact with ``megatron_tir.train.config``; everything else in
-``megatron_tir.launch`` works from a :class:`TrainerLayout`.
+``megatron_tir.launch`` works from a :class:`TrainerLayout` (the capacity planner, ``plan``,
+reads the whole config that :func:`train_config` returns).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def trainer_layout(*, recipe: str | None = None, run_dir: str | Path | None = No
                    overrides: Sequence[str] = ()) -> TrainerLayout:
     """The layout of a new run of ``recipe``, or of the run in ``run_dir`` (its resolved
     ``config.json``), with the user's ``--set`` overrides applied and validated."""
+    cfg = train_config(recipe=recipe, run_dir=run_dir, overrides=overrides)
+    return TrainerLayout(model=cfg.model, tp=cfg.learner.tp, pp=cfg.learner.pp, sandbox_workers=cfg.sandbox.workers)
+
+
+def train_config(*, recipe: str | None = None, run_dir: str | Path | None = None, overrides: Sequence[str] = ()):
+    """The training config of a new run of ``recipe`` or of the run in ``run_dir``, overrides applied
+    (what the layout and the capacity planner read)."""
     assert (recipe is None) != (run_dir is None), "give a recipe or a run dir"
     if recipe is not None:
         cfg = load_recipe(recipe)
@@ -41,5 +49,4 @@ def trainer_layout(*, recipe: str | None = None, run_dir: str | Path | None = No
         except json.JSONDecodeError:
             raise ValueError(f"--resume {run_dir}: {path.name} is not valid JSON") from None
         cfg = from_dict(data)
-    cfg = apply_overrides(cfg, overrides)
-    return TrainerLayout(model=cfg.model, tp=cfg.learner.tp, pp=cfg.learner.pp, sandbox_workers=cfg.sandbox.workers)
+    return apply_overrides(cfg, overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -41,7 +42,7 @@ class LogConfig:
             raise ValueError("dump_every and text_samples must be >= 0")
         if self.moving_average < 1:
             raise ValueError(f"moving_average must be >= 1, got {self.moving_average}")
-        if self.spike_factor <= 1:
+        if not (math.isfinite(self.spike_factor) and self.spike_factor > 1):
             raise ValueError(f"spike_factor must be > 1, got {self.spike_factor}")
         if not self.project:
             raise ValueError("project must be set")

@@ -69,6 +69,17 @@ def read_dump(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """A dump (``.jsonl.gz``) or an ``eval --out`` file (``.jsonl``); ValueError on anything else."""
+    path = Path(path)
+    try:
+        if path.name.endswith(".gz"):
+            return read_dump(path)
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
+
+
 def _void_reason(t: Trajectory) -> str:
     return f"void: {t.void_reason or 'a void turn'}"
 
@@ -94,7 +105,8 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
     if not kept:
         return fates
     rt = to_tensors(kept, pad_id=0)
-    plan = plan_update(rt, mode=mode, advantage=advantage, overlong=overlong, mini_batches=1)
+    gae = advantage == "gae"  # GAE's advantages come from the critic's values: the dump records none
+    plan = plan_update(rt, mode=mode, advantage=None if gae else advantage, overlong=overlong, mini_batches=1)
     drop_void = MODES[mode].drop_void
     trajs = [t for g in kept for t in g.trajectories]
     for b, t in enumerate(trajs):
@@ -110,7 +122,8 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
             else:
                 why = "no model tokens"
         fates[(t.group_id, t.sample_index)] = {"in_stats": bool(plan.stats_B[b]), "in_loss": in_loss,
-                                               "advantage": float(plan.advantages_B[b]), "dropped_by": why}
+                                               "advantage": None if gae else float(plan.advantages_B[b]),
+                                               "dropped_by": why}
     return fates
 
 

@@ -68,7 +68,10 @@ def _style_axis(ax, title: str, ylabel: str, runs: Sequence[Run]) -> None:
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel, fontsize=8)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps = [r["step"] for run in runs for r in run.rows]
+    lo, hi = min(steps), max(steps)
+    ax.set_xlim(lo - 0.5, hi + 0.5)  # every panel spans the run's steps, a single step included
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     try:
         ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-6 + offset" corner label
     except AttributeError:  # a non-scalar formatter
@@ -104,14 +107,19 @@ def _lines(ax, runs: Sequence[Run], keys: Sequence[tuple[str, str]], smooth: int
 
 
 def _stacked(ax, run: Run, keys: Sequence[tuple[str, str]]) -> bool:
+    """Stacked bars: each step's counts of ``keys`` as shares of their sum."""
     steps = sorted({r["step"] for r in run.rows if any(isinstance(r.get(k), (int, float)) for k, _ in keys)})
     if not steps:
         return False
     by_step = {r["step"]: r for r in run.rows}
     values = [[float(by_step[s].get(k) or 0.0) for s in steps] for k, _ in keys]
     totals = [sum(col) or 1.0 for col in zip(*values)]
-    shares = [[v / t for v, t in zip(row, totals)] for row in values]
-    ax.stackplot(steps, *shares, labels=[label for _, label in keys], alpha=0.8)
+    bottom = [0.0] * len(steps)
+    for (_, label), row in zip(keys, values):
+        shares = [v / t for v, t in zip(row, totals)]
+        if any(shares):
+            ax.bar(steps, shares, bottom=bottom, width=0.8, label=label, alpha=0.85)
+            bottom = [b + x for b, x in zip(bottom, shares)]
     ax.set_ylim(0, 1)
     return True
 

@@ -30,7 +30,8 @@ class StepObserver:
     def __init__(self, cfg, run_dir: Path, *, tokenizer, sink) -> None:
         self.cfg, self.run_dir, self.tokenizer, self.sink = cfg, Path(run_dir), tokenizer, sink
         self.log_cfg = cfg.trainer.log
-        self.spikes = GradNormSpikes(window=self.log_cfg.moving_average, factor=self.log_cfg.spike_factor)
+        self.spikes = GradNormSpikes(window=self.log_cfg.moving_average, factor=self.log_cfg.spike_factor,
+                                     min_history=min(3, self.log_cfg.moving_average))
         self._records: list[dict] = []
         self._gen_tokens = 0
         self._t_end = time.perf_counter()
@@ -56,8 +57,9 @@ class StepObserver:
     def held_out(self, step: int, groups) -> None:
         if self.log_cfg.dump_due(step) or (step == 0 and self.log_cfg.dump_every):
             self._records += step_records(step, "eval", groups, self.tokenizer, include_ids=self.log_cfg.dump_tokens)
-        if step == 0:  # the evaluation before training: its own dump
+        if step == 0:  # the evaluation before training: its own dump; step 1's clock starts after it
             self.flush(0)
+            self._t_end = time.perf_counter()
 
     def end_step(self, step: int, metrics: dict) -> dict[str, float]:
         """The step-level diagnostics to add to ``metrics``; logs the step line, writes the dump."""

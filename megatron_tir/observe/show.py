@@ -63,11 +63,14 @@ def render(rec: dict, *, color: bool = False, max_question_chars: int = 400) -> 
     """One trajectory as text (see the module docstring)."""
     upd = rec.get("update")
     trained = upd is None or bool(upd.get("in_loss"))  # held-out rows: the model's text in plain style
-    head = [f"step {rec.get('step', '?')}", rec.get("split", "?"), f"group {rec['group_id']} sample {rec['sample_index']}",
-            f"status {rec.get('status')}", f"reward {rec.get('reward')}"]
+    head = [f"step {rec['step']}"] if "step" in rec else []  # an `eval --out` record has no step or split
+    head += [rec["split"]] if rec.get("split") else []
+    head += [f"group {rec['group_id']} sample {rec['sample_index']}", f"status {rec.get('status')}",
+             f"reward {rec.get('reward')}"]
     if upd is not None:
         if upd.get("in_loss"):
-            head.append(f"in loss, advantage {upd['advantage']:+.3f}")
+            adv = upd.get("advantage")
+            head.append("in loss" + ("" if adv is None else f", advantage {adv:+.3f}"))  # None: per-token (GAE)
         else:
             head.append(f"NOT IN LOSS ({upd.get('dropped_by')})")
     if rec.get("void_reason"):

@@ -45,11 +45,13 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
 
 def build_gpt_model(spec: ModelSpec, *, pre_process: bool | None = None, post_process: bool | None = None,
                     parallel_output: bool = True, meta: bool = False, use_te: bool | None = None,
-                    **config_overrides):
+                    value_head: bool = False, **config_overrides):
     """This rank's GPTModel for ``spec`` at the current TP/PP (``init_parallel`` first).
 
     ``meta=True`` builds it on the meta device (no memory, no init): enough for
     ``sharded_state_dict()`` key/shape templates, as checkpoint conversion uses it.
+    ``value_head=True`` builds a critic: untied embeddings and a one-output value head on the
+    last stage (``megatron_tir.policy.value_head``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -73,11 +75,15 @@ def build_gpt_model(spec: ModelSpec, *, pre_process: bool | None = None, post_pr
             pre_process=pre_process,
             post_process=post_process,
             parallel_output=parallel_output,
-            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_percent=1.0,
             rotary_base=spec.rotary_base,
         )
+        if value_head:
+            from megatron_tir.policy.value_head import attach_value_head
+
+            attach_value_head(model)
     if not meta and torch.cuda.is_available():
         model.cuda()
     return model

@@ -1,10 +1,18 @@
 """HF <-> Megatron key maps, one explicit table per family, and their tensor transforms.
 
-Megatron names are megatron-core GPTModel state-dict names (local layer spec) with the
-global layer index ``{i}``; the distributed checkpoint stores them under the sharded
-keys megatron-core derives from them (layers stacked on a leading axis, TE-style
-names such as ``decoder.layers.self_attention.linear_qkv.layer_norm_weight``), so a
-checkpoint written here loads into the TE spec and the local spec, at any TP/PP.
+Megatron names (``KeyRule.megatron``) are megatron-core GPTModel state-dict names of the
+local layer spec with the global layer index ``{i}``. What megatron-core itself keys the
+model by is the sharded state dict (``TensorPlan.sharded``): the same for both layer specs,
+because the local spec maps its norms onto the Transformer Engine spec's fused names with
+its ``sharded_state_dict_keys_map`` (``LOCAL_SPEC_KEYS_MAP``), e.g.
+``decoder.layers.{i}.input_layernorm.weight`` ->
+``decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight``; in a checkpoint the
+layers are stacked on a leading axis (``sharded_key``). The TE spec's state-dict names are
+the sharded names (TE's ``LayerNormLinear`` holds the fused norm as ``layer_norm_weight``),
+or, with TE's op fuser, the names of ``TE_SPEC_KEYS_MAP``. ``local_name`` turns a state-dict
+name of either spec into the local name the tables use; TE's ``_extra_state`` entries
+carry no weights and are not part of the map. So a checkpoint written here loads into the
+TE spec and the local spec, at any TP/PP, and either spec's model exports through it.
 
 Transforms (all are pure re-arrangements: the round trip is bit-exact):
 
@@ -30,6 +38,69 @@ import torch
 from megatron_tir.policy.spec import ModelSpec
 
 TRANSFORMS = ("identity", "qkv", "gate_up")
+
+# megatron-core's own layer-relative prefix maps (``TransformerLayerSubmodules.sharded_state_dict_keys_map``):
+# the local spec's (megatron/core/models/gpt/gpt_layer_specs.py, ``get_gpt_layer_local_spec``) ...
+LOCAL_SPEC_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                       "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# ... and the TE spec's (``get_gpt_layer_with_transformer_engine_spec``: names of TE's op-fuser MLP)
+TE_SPEC_KEYS_MAP = {"mlp.0.weight": "mlp.linear_fc1.layer_norm_weight",
+                    "mlp.0.bias": "mlp.linear_fc1.layer_norm_bias",
+                    "mlp.1.basic_ops.0.weight": "mlp.linear_fc1.weight",
+                    "mlp.1.basic_ops.1.bias": "mlp.linear_fc1.bias",
+                    "mlp.3.basic_ops.0.weight": "mlp.linear_fc2.weight",
+                    "mlp.3.basic_ops.1.bias": "mlp.linear_fc2.bias"}
+EXTRA_STATE = "_extra_state"  # TE modules' non-weight state (FP8 metadata): not in the key map
+_LAYERS = "decoder.layers."
+
+
+def _map_prefix(rest: str, mapping: dict[str, str]) -> str:
+    for old, new in mapping.items():  # as megatron-core's apply_prefix_mapping: the first prefix that matches
+        if rest.startswith(old):
+            return new + rest[len(old):]
+    return rest
+
+
+def _split_layer(name: str) -> tuple[str, str] | None:
+    if not name.startswith(_LAYERS):
+        return None
+    i, rest = name[len(_LAYERS):].split(".", 1)
+    return i, rest
+
+
+def sharded_name(name: str) -> str:
+    """A local-spec (or TE) state-dict name (global layer index) -> its sharded-state-dict name
+    (megatron-core's key with the layer index kept in place: the TE spec's state-dict name)."""
+    parts = _split_layer(name)
+    if parts is None:
+        return name
+    return f"{_LAYERS}{parts[0]}.{_map_prefix(_map_prefix(parts[1], TE_SPEC_KEYS_MAP), LOCAL_SPEC_KEYS_MAP)}"
+
+
+_TO_LOCAL = {new: old for old, new in LOCAL_SPEC_KEYS_MAP.items()}
+
+
+def local_name(name: str) -> str:
+    """A state-dict name of the local spec, the TE spec (with or without its op fuser) or a
+    sharded name with its layer index -> the local spec's name (``KeyRule.megatron``)."""
+    parts = _split_layer(name)
+    if parts is None:
+        return name
+    return f"{_LAYERS}{parts[0]}.{_map_prefix(_map_prefix(parts[1], TE_SPEC_KEYS_MAP), _TO_LOCAL)}"
+
+
+def sharded_key(name: str) -> tuple[str, int | None]:
+    """A state-dict name of either spec -> (megatron-core's sharded key, layer index or None):
+    in a checkpoint a layer's tensor is the slice ``[layer]`` of the stacked tensor ``key``."""
+    full = sharded_name(local_name(name))
+    parts = _split_layer(full)
+    if parts is None:
+        return full, None
+    return f"{_LAYERS}{parts[1]}", int(parts[0])
+
+
+def is_extra_state(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] == EXTRA_STATE
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -88,6 +159,11 @@ class TensorPlan:
     transform: str
     hf_shapes: tuple[tuple[int, ...], ...]
     megatron_shape: tuple[int, ...]
+
+    @property
+    def sharded(self) -> str:
+        """The sharded-state-dict name (layer index in place) = the TE spec's state-dict name."""
+        return sharded_name(self.megatron)
 
 
 def _hf_shapes(rule: KeyRule, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:

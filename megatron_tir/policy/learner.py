@@ -22,6 +22,10 @@ and entropy: ``megatron_tir.policy.losses``).
 * ``named_hf_buckets``: full HF-named tensors (``weights``) by pipeline stage, for the
   engines' weight sync (``megatron_tir.rollout.sync``), which owns how they travel.
 
+``LearnerConfig.head = "value"`` makes a critic: the same GPTModel with a one-output value
+head (``megatron_tir.policy.value_head``), its backbone loaded from the policy's weights,
+trained by a value loss (``megatron_tir.policy.losses.ValueLoss``); ``values`` reads it.
+
 Checkpoints (model + optimizer + scheduler) are saved and loaded by
 ``megatron_tir.policy.checkpoint.learner_io``. Every rank passes the same full batch and rows
 are dealt to the data-parallel replicas here, or (``local_rows=True``) each replica passes the
@@ -43,9 +47,10 @@ from megatron_tir.policy.build import build_gpt_model, te_available
 from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, read_meta, resolve_checkpoint
 from megatron_tir.policy.learner_config import (AGGREGATIONS, LearnerConfig, LossFn, LossInputs, OutputFn,
                                                 StepResult, TrainBatch)
-from megatron_tir.policy.losses import TokenOutputs
+from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
+from megatron_tir.policy.value_head import VALUE_HEAD_KEY
 from megatron_tir.policy.weights import hf_buckets, load_hf_weights
 
 log = logging.getLogger(__name__)
@@ -61,10 +66,10 @@ class ModelSource:
 
 
 def resolve_source(model: str) -> ModelSource:
-    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.model_sources import is_checkpoint, resolve_model
 
     path = Path(model)
-    if path.is_dir() and not (path / "config.json").is_file():  # a checkpoint or a run directory
+    if is_checkpoint(path):  # a policy checkpoint, a step or a run directory: its weights, by sharded keys
         ckpt = resolve_checkpoint(path)
         meta = read_meta(ckpt)
         return ModelSource(spec=meta.spec, hf_config=meta.hf_config, hf_files=ckpt / HF_FILES_DIR, checkpoint=ckpt)
@@ -117,13 +122,15 @@ class Learner:
             overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         overrides.update(config.transformer_overrides())
         use_te = True if config.fp8 else te_available()
-        model = build_gpt_model(self.spec, use_te=use_te, **overrides)
+        self.value_head = config.head == "value"
+        model = build_gpt_model(self.spec, use_te=use_te, value_head=self.value_head, **overrides)
+        skip = (VALUE_HEAD_KEY,) if self.value_head else ()  # a critic starts from the policy's backbone
         if source.checkpoint is not None:
             from megatron_tir.policy.checkpoint.megatron_io import load_model
 
-            load_model(model, source.checkpoint)
+            load_model(model, source.checkpoint, skip=skip)
         else:
-            load_hf_weights(model, source.hf_files, self.spec)
+            load_hf_weights(model, source.hf_files, self.spec, skip=skip)
 
         self.module = model
         self.optimizer = self.scheduler = None
@@ -268,9 +275,21 @@ class Learner:
         """The policy's ``[B, T]`` float32: column t = log p(token t | tokens < t) under ``logits /
         temperature``; 0 at each row's first token and on padding. With ``with_entropy`` also the
         ``[B, T]`` entropy of the distribution that predicted each token (same columns). Collective."""
+        if self.value_head:
+            raise ValueError("a critic (learner.head=value) has no log-probs: use values()")
         output_fn = TokenOutputs(temperature=temperature, with_entropy=with_entropy)
         out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names, local_rows=local_rows)
         return (out["logprobs"], out["entropy"]) if with_entropy else out["logprobs"]
+
+    def values(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *,
+               local_rows: bool = False) -> torch.Tensor:
+        """A critic's ``[B, T]`` float32 values, aligned as the log-probs: column t = V(tokens < t),
+        the value of the state in which token t was sampled; 0 at each row's first token and on
+        padding. Collective. ``local_rows``: as in ``forward``."""
+        if not self.value_head:
+            raise ValueError("values() needs a critic (learner.head=value)")
+        return self.forward(tokens_BT, attention_mask_BT, ValueOutputs(), ValueOutputs.names,
+                            local_rows=local_rows)["values"]
 
     # ------------------------------------------------------------------ training
 
@@ -383,6 +402,8 @@ class Learner:
     def named_hf_buckets(self, bucket_bytes: int = 256 << 20) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
         """``(pipeline stage, [(HF name, full tensor), ...])`` buckets, on global rank 0 (other ranks:
         nothing, but they must exhaust the iterator: it is collective). See ``megatron_tir.policy.weights``."""
+        if self.value_head:
+            raise ValueError("a critic's weights do not go to the generation engines")
         return hf_buckets(self.module, self.spec, bucket_bytes)
 
     def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

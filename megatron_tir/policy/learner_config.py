@@ -28,6 +28,7 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")  # TransformerConfig.recompute_g
 RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
 FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs want token counts divisible by 16
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+HEADS = ("lm", "value")  # the policy's vocab-parallel LM head | a critic's one-output value head
 
 
 
@@ -71,6 +72,7 @@ class LearnerConfig:
     """
 
     model: str = "smollm2"
+    head: str = "lm"  # "lm" (the policy) | "value" (a critic: megatron_tir.policy.value_head)
     tp: int = 1
     pp: int = 1
     dtype: str = "float32"
@@ -100,6 +102,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("learner.model must name a model ('smollm2', 'tiny-qwen2', an HF or checkpoint dir)")
+        if self.head not in HEADS:
+            raise ValueError(f"learner.head {self.head!r} is not one of {', '.join(HEADS)}")
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"learner.tp and learner.pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.dtype not in DTYPES:

@@ -6,7 +6,8 @@ per-token log-probs (and entropy) with the vocab-parallel helpers (``vocab_paral
 ``TokenLoss`` turns a per-token loss on log-probs (``TokenLossFn``: the RL maths'
 ``PolicyLoss``) into a ``LossFn``. ``NLLLoss`` is plain next-token negative log-likelihood
 (SFT) through the same helpers. A head producing something else (a value head) supplies its
-own ``LossFn``; the learner's step does not change.
+own ``LossFn``; the learner's step does not change: ``ValueOutputs`` / ``ValueLoss`` are the
+critic's (``megatron_tir.policy.value_head``), on its ``[b, L, 1]`` output.
 
 Columns: the value at column ``t`` is about token ``t`` (its log-prob given the tokens before
 it, or the entropy of the distribution that predicted it); column 0 is 0.
@@ -97,3 +98,40 @@ class NLLLoss:
     def __call__(self, logits_bLV: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         nll_bL = -aligned_logprobs(logits_bLV, inputs.tokens_bL, self.temperature)
         return nll_bL, {"nll": nll_bL.detach()}
+
+
+def aligned_values(output_bL1: torch.Tensor) -> torch.Tensor:
+    """``[b, L]``: column t = the value head's output at position t - 1 (the state in which token t
+    was sampled, the log-probs' alignment); column 0 = 0."""
+    return _shift_left(output_bL1[..., 0].float())
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ValueOutputs:
+    """The critic's ``OutputFn``: ``{"values"}`` per token, masked, float32."""
+
+    names = ("values",)
+
+    def __call__(self, output_bL1: torch.Tensor, inputs: LossInputs) -> dict[str, torch.Tensor]:
+        return {"values": aligned_values(output_bL1) * inputs.mask_bL}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ValueLoss:
+    """The critic's ``LossFn``: the clipped value loss (``megatron_tir.rl.critic.value_loss_BT``)
+    against ``extras["returns_BT"]`` with ``extras["old_values_BT"]``; the batch's loss mask holds
+    the model's own tokens only (ZeroTIR's value masking). Metrics: ``value_clipped``, ``value``."""
+
+    clip: float | None = 0.2
+
+    def __post_init__(self) -> None:
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"value clip must be > 0 (or null), got {self.clip}")
+
+    def __call__(self, output_bL1: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from megatron_tir.rl.critic import value_loss_BT
+
+        values_bL = aligned_values(output_bL1)
+        loss_bL, clipped_bL = value_loss_BT(values_bL, inputs.extras["old_values_BT"], inputs.extras["returns_BT"],
+                                            clip=self.clip)
+        return loss_bL, {"value_clipped": clipped_bL, "value": values_bL.detach()}

@@ -34,11 +34,12 @@ _LAYERS = "decoder.layers."
 
 
 def _global_name(local: str, layer_offset: int, spec: ModelSpec) -> str:
-    """A stage's state-dict name (local layer index) -> the key map's name (global layer index);
-    a tied output layer (on the last stage) is the embedding."""
+    """A stage's state-dict name (local layer index; local or TE layer spec) -> the key map's
+    name (global layer index, local spec's names); a tied output layer (on the last stage) is
+    the embedding."""
     if local.startswith(_LAYERS):
         i, rest = local.removeprefix(_LAYERS).split(".", 1)
-        return f"{_LAYERS}{int(i) + layer_offset}.{rest}"
+        return keymap.local_name(f"{_LAYERS}{int(i) + layer_offset}.{rest}")
     if local == "output_layer.weight" and spec.tie_word_embeddings:
         return "embedding.word_embeddings.weight"
     return local
@@ -50,8 +51,9 @@ def _layer_offset(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
-    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage)."""
+def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ...] = ()) -> None:
+    """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage);
+    parameters named in ``skip`` (a critic's value head) keep their own values."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     plans = {p.megatron: p for p in keymap.plan(spec)}
@@ -61,7 +63,7 @@ def load_hf_weights(model, hf_dir: Path, spec: ModelSpec) -> None:
     cached: tuple[str, torch.Tensor] | None = None
     try:
         for name, entry in model.sharded_state_dict(prefix=MODEL_PREFIX).items():
-            if isinstance(entry, ShardedObject):
+            if isinstance(entry, ShardedObject) or name.removeprefix(MODEL_PREFIX) in skip:
                 continue
             leaves = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
             parts = []

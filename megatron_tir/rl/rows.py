@@ -12,7 +12,7 @@ A row (trajectory) plays two roles in an update:
 | completed / max_turns        | yes        | yes                                    |
 | void (ended on a void turn)  | yes        | no if the mode drops void rows, else yes |
 | tool_failed / aborted        | no         | no (infrastructure, not the model)     |
-| truncated (token budget)     | yes        | ``overlong="mask"``: no; ``"keep"``: yes |
+| truncated (token budget)     | ``"drop"``: no, else yes | ``"mask"`` / ``"drop"``: no; ``"keep"``: yes |
 
 Void rows stay in their group's statistics because SimpleTIR computes advantages over all
 sampled trajectories and only then removes void ones from the loss.
@@ -51,7 +51,7 @@ MODES: dict[str, ModeSpec] = {
     "stop_without_filter": ModeSpec(void_turn="stop", drop_void=False),
     "simpletir": ModeSpec(void_turn="stop", drop_void=True),
 }
-OVERLONG = ("mask", "keep")
+OVERLONG = ("mask", "keep", "drop")  # "drop": SimpleTIR's released ``remove_clip`` (out of the statistics too)
 
 
 def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: torch.Tensor, drop_void: bool,
@@ -61,10 +61,12 @@ def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: tor
         raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     void_B, infra_B, truncated_B = void_B.bool(), infra_B.bool(), truncated_B.bool()
     stats_B = ~infra_B
+    if overlong == "drop":
+        stats_B = stats_B & ~truncated_B
     loss_B = ~infra_B
     if drop_void:
         loss_B = loss_B & ~void_B
-    if overlong == "mask":
+    if overlong in ("mask", "drop"):
         loss_B = loss_B & ~truncated_B
     return stats_B, loss_B
 
@@ -84,20 +86,22 @@ def low_prob_keep_BT(old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, fract
 
 
 def group_keep_G(rewards_B: torch.Tensor, group_index_B: torch.Tensor, stats_B: torch.Tensor, *,
-                 drop_zero_std: bool, accuracy_lo: float = 0.0, accuracy_hi: float = 1.0
-                 ) -> tuple[torch.Tensor, dict[str, int]]:
+                 drop_zero_std: bool, accuracy_lo: float = 0.0, accuracy_hi: float = 1.0,
+                 min_rows: int = 1) -> tuple[torch.Tensor, dict[str, int]]:
     """Which groups (0..G-1) the update keeps (dynamic sampling), and how many each rule removed.
 
     A group is dropped when its counted rewards all agree (zero std: no GRPO signal), when
     its accuracy (mean of reward > 0 over counted rows) lies outside ``[accuracy_lo,
-    accuracy_hi]``, or when no row of it counts.
+    accuracy_hi]``, or when fewer than ``min_rows`` of its rows count (default: none counts; the
+    released SimpleTIR drops groups with fewer than 4 rows left after ``remove_clip``). That last
+    rule is counted under ``no_counted_rows``.
     """
     G = int(group_index_B.max()) + 1 if group_index_B.numel() else 0
     keep_G = torch.ones(G, dtype=torch.bool)
     removed = {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
     for g in range(G):
         r = rewards_B[(group_index_B == g) & stats_B.bool()].float()
-        if r.numel() == 0:
+        if r.numel() < max(1, min_rows):
             keep_G[g] = False
             removed["no_counted_rows"] += 1
         elif drop_zero_std and bool((r == r[0]).all()):

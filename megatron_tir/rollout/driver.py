@@ -25,9 +25,12 @@ What a turn *is*, the prompt, the program, the feedback text and the answer the 
 checks come from the protocol preset (``RolloutConfig.protocol``, see
 :mod:`megatron_tir.tir.protocol`).
 
-A sandbox failure is a recorded outcome: the model's errors, timeouts and memory kills
-become feedback; an infrastructure failure (``sandbox_error``, ``overloaded`` after the
-client's retries, or an exception from the sandbox client) ends the trajectory with
+Tool calls go through the tools of ``RolloutConfig.toolset`` (:mod:`megatron_tir.rollout.tools`:
+the Python sandbox tool, and any registered one): the turn ends at the first complete
+call of any of them, the call runs asynchronously, and its feedback is appended. A
+failed call is a recorded outcome: the model's errors, timeouts and memory kills become
+feedback; an infrastructure failure (the sandbox's ``sandbox_error``, ``overloaded``
+after the client's retries, or an exception from its client) ends the trajectory with
 status ``tool_failed``. What is trained is exactly what was sampled: response ids are the
 engine's ids, in order, with the engine's log-probs and the weight version that sampled
 each of them.
@@ -46,10 +49,13 @@ from megatron_tir.data.problems import Problem
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
 from megatron_tir.rollout.sandbox import Sandbox
+from megatron_tir.rollout.tools.base import FeedbackContext, Tool, ToolResult
+from megatron_tir.rollout.tools.registry import ToolContext, build_tools, check_toolset
 from megatron_tir.rollout.trajectory import FinishStatus, ToolCall, Trajectory, Turn
 from megatron_tir.tir import FeedbackConfig, PromptConfig, TurnKind
+from megatron_tir.tir.calls import PYTHON
 from megatron_tir.tir.protocol import ProtocolName, TIRProtocol, make_protocol
-from sandbox_cluster.protocol import MAX_MEMORY_MB, MAX_TIMEOUT_S, ExecResult, Status
+from sandbox_cluster.protocol import MAX_MEMORY_MB, MAX_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class RolloutConfig:
     n_samples: int = 1  # trajectories per prompt (the GRPO group size)
     max_turns: int = 5  # model turns per trajectory (tools=False: always one)
     max_response_tokens: int = 16384  # model + feedback tokens, all turns
+    max_turn_tokens: int | None = None  # model tokens of one turn (SimpleTIR's release: 8000); None: no cap
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -77,6 +84,7 @@ class RolloutConfig:
     # "continue": the void turn gets no feedback and the trajectory goes on (the naive mode).
     void_turn: str = "stop"
     tools: bool = True  # False: text-only, one turn, no code stop strings, nothing executed
+    toolset: tuple[str, ...] = (PYTHON,)  # the tools a turn may call (megatron_tir.rollout.tools.registry)
     prompt: PromptConfig = field(default_factory=PromptConfig)  # protocol "default" only
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)  # protocol "default" only
 
@@ -84,6 +92,8 @@ class RolloutConfig:
         for name in ("n_samples", "max_turns", "max_response_tokens", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1 (or null), got {self.max_turn_tokens}")
         # The sampling bounds live with SamplingParams; check them there, once.
         SamplingParams(max_new_tokens=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if not 0 < self.tool_timeout_s <= MAX_TIMEOUT_S:
@@ -100,6 +110,7 @@ class RolloutConfig:
             raise ValueError(f"void_turn must be one of {VOID_TURN_MODES}, got {self.void_turn!r}")
         if not isinstance(self.tools, bool):
             raise ValueError(f"tools must be true or false, got {self.tools!r}")
+        self.toolset = check_toolset(self.toolset)
         if self.protocol == ProtocolName.SIMPLETIR.value:
             changed = [name for name, default in (("prompt", PromptConfig()), ("feedback", FeedbackConfig()))
                        if getattr(self, name) != default]
@@ -135,14 +146,15 @@ class TIRRollout:
 
     def __init__(self, engine: GenerationEngine, tokenizer, sandbox: Sandbox | None, config: RolloutConfig,
                  verifier=None) -> None:
-        if sandbox is None and config.tools:
-            raise ValueError("a rollout with tools needs a sandbox")
         self.engine = engine
         self.tokenizer = tokenizer
         self.sandbox = sandbox
         self.config = config
         self.protocol = config.make_protocol()
         self.verifier = verifier
+        context = ToolContext(sandbox=sandbox, protocol=self.protocol, config=config)
+        self.tools: list[Tool] = build_tools(config.toolset, context) if config.tools else []
+        self._tools = {t.name: t for t in self.tools}
 
     # ------------------------------------------------------------------ batch API
 
@@ -196,6 +208,8 @@ class TIRRollout:
             if budget <= 0:
                 traj.status = FinishStatus.TRUNCATED
                 break
+            if cfg.max_turn_tokens is not None:  # a turn cut by its own cap is classified like any cut turn
+                budget = min(budget, cfg.max_turn_tokens)
             context = traj.prompt_ids + traj.response_ids
             # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
             # opened code block): that text is parsed as the start of turn 0.
@@ -203,7 +217,7 @@ class TIRRollout:
             tr = await self._generate_turn(context, budget, rng, prefix, route_key=f"{group_id}/{sample_index}")
             traj.engine_requests += tr.requests
             traj.timings.generation_s += tr.seconds
-            cls = proto.classify(prefix + tr.text, tr.finish)
+            cls = proto.classify(prefix + tr.text, tr.finish, self.tools)
             reason = cls.reason if tr.error is None else f"engine error: {tr.error}"
             turn = Turn(index=turn_index, kind=cls.kind, reason=reason, finish_reason=tr.finish,
                         start=len(traj.response_ids), model_tokens=len(tr.ids), text=tr.text, code=cls.code,
@@ -217,6 +231,11 @@ class TIRRollout:
             if tr.finish is FinishReason.ABORT:  # not the model's doing, whatever the text holds
                 traj.status = FinishStatus.ABORTED
                 break
+            if cls.kind is TurnKind.VOID and not cfg.tools:
+                # text-only (Table 1's zero-RL baseline): with no tool to call, a turn without an
+                # answer is a wrong answer (reward 0) in every mode, not a void turn
+                traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
+                break
             if cls.kind is TurnKind.VOID:
                 if cfg.void_turn == "stop":
                     traj.status, traj.void_reason = FinishStatus.VOID, cls.reason
@@ -226,18 +245,18 @@ class TIRRollout:
                 traj.status = FinishStatus.TRUNCATED if tr.finish is FinishReason.LENGTH else FinishStatus.COMPLETED
                 break
 
-            # A code turn: run it while the engine serves the other trajectories.
-            tool = await self._execute(cls.code)
+            # A tool call: run it while the engine serves the other trajectories.
+            tool, result = await self._execute(cls.tool, cls.code)
             turn.tool = tool
             traj.timings.tool_s += tool.latency_s
             if tool.infra_failure:
                 traj.status = FinishStatus.TOOL_FAILED
                 break
-            tool.answer = proto.tool_answer(tool.result.stdout)
+            tool.answer = self._tools[cls.tool].answer(result)
             if tool.answer is not None:
                 answers.append((tool.answer, "tool"))
-            feedback = proto.feedback(tool.result, turn_index=turn_index, max_turns=max_turns, turn_text=tr.text,
-                                      timeout=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb)
+            feedback = self._tools[cls.tool].feedback(result, FeedbackContext(turn_index=turn_index,
+                                                                              max_turns=max_turns, turn_text=tr.text))
             fb_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []
             fits = len(traj.response_ids) + len(fb_ids) <= cfg.max_response_tokens
             if fits:
@@ -280,7 +299,8 @@ class TIRRollout:
         discarded = 0
         while True:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, stop=proto.stop_strings(prefix + text), seed=rng.getrandbits(63),
+                                    top_k=cfg.top_k, stop=proto.stop_strings(prefix + text, self.tools),
+                                    seed=rng.getrandbits(63),
                                     route_key=route_key)  # one server per trajectory: its prefix cache
             t0 = time.perf_counter()
             try:
@@ -300,7 +320,8 @@ class TIRRollout:
             versions.extend(gen.versions)
             text = self._decode(ids)
             finish = gen.finish_reason
-            if finish is not FinishReason.ABORT and proto.classify(prefix + text, finish).kind is TurnKind.CODE:
+            if finish is not FinishReason.ABORT and proto.classify(prefix + text, finish,
+                                                                   self.tools).kind is TurnKind.CODE:
                 n = len(ids)
                 ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
                 discarded = n - len(ids)
@@ -327,7 +348,8 @@ class TIRRollout:
         matched stops differently and ran past it, the extra tokens are dropped (and
         logged), so the turn still ends at the block.
         """
-        is_code = lambda n: self.protocol.classify(prefix + self._decode(ids[:n])).kind is TurnKind.CODE  # noqa: E731
+        is_code = lambda n: self.protocol.classify(  # noqa: E731
+            prefix + self._decode(ids[:n]), None, self.tools).kind is TurnKind.CODE
         if len(ids) < 2 or not is_code(len(ids) - 1):
             return ids, logprobs, text
         lo, hi = 1, len(ids) - 1  # the shortest CODE prefix lies in [lo, hi]
@@ -340,19 +362,17 @@ class TIRRollout:
         log.warning("engine ran %d token(s) past a closing code fence; dropped them", len(ids) - lo)
         return ids[:lo], logprobs[:lo], self._decode(ids[:lo])
 
-    async def _execute(self, code: str) -> ToolCall:
-        cfg = self.config
+    async def _execute(self, name: str, payload: str) -> tuple[ToolCall, ToolResult]:
+        """Run one call; an exception from the tool is its infrastructure's failure (recorded)."""
         t0 = time.perf_counter()
         try:
-            res = await self.sandbox.execute(self.protocol.program(code), timeout=cfg.tool_timeout_s,
-                                             memory_mb=cfg.tool_memory_mb)
-        except Exception as exc:  # noqa: BLE001 - a sandbox failure is a recorded outcome
-            log.warning("sandbox call failed: %s: %s", type(exc).__name__, exc)
-            res = ExecResult(id="", status=Status.SANDBOX_ERROR, message=f"{type(exc).__name__}: {exc}")
-        tool = ToolCall(result=res, latency_s=time.perf_counter() - t0)
-        if tool.infra_failure:
-            log.warning("sandbox infrastructure failure (%s): %s", res.status.value, res.message)
-        return tool
+            result = await self._tools[name].execute(payload)
+        except Exception as exc:  # noqa: BLE001 - a failed call is a recorded outcome
+            log.warning("tool %s failed: %s: %s", name, type(exc).__name__, exc)
+            result = ToolResult(status="tool_error", infra_error=f"{type(exc).__name__}: {exc}")
+        call = ToolCall(result=result.record, name=name, status=result.status, infra_error=result.infra_error,
+                        latency_s=time.perf_counter() - t0)
+        return call, result
 
     def _decode(self, ids: list[int]) -> str:
         # As the engines' stop matchers see the text: special tokens kept, no clean-up.

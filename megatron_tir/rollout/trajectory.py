@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from typing import Any
+
 from megatron_tir.rollout.engines.base import FinishReason
+from megatron_tir.tir.calls import PYTHON
 from megatron_tir.tir.markup import TurnKind
-from megatron_tir.tir.feedback import INFRA_FAILURES
-from sandbox_cluster.protocol import ExecResult, Status
 
 
 class FinishStatus(str, enum.Enum):
@@ -41,25 +42,30 @@ INFRA_STATUSES = frozenset({FinishStatus.TOOL_FAILED, FinishStatus.ABORTED})
 
 @dataclass(kw_only=True, slots=True)
 class ToolCall:
-    """One execution of a model's code block and what the model was told.
+    """One call of a tool in a model turn and what the model was told.
 
-    ``result`` is the sandbox's own record; a sandbox client that raised is recorded as an
-    ``ExecResult`` with status ``sandbox_error`` and the exception in ``message``.
+    ``result`` is the tool's own record (the Python tool: the sandbox's ``ExecResult``; a
+    sandbox client that raised is recorded with status ``sandbox_error`` and the exception
+    in ``message``); ``infra_error`` says why the infrastructure failed, when it did.
     """
 
-    result: ExecResult
+    result: Any
+    name: str = PYTHON  # the tool (megatron_tir.rollout.tools.registry)
+    status: str = ""  # the tool's outcome name ("ok", "error", "timeout", ...)
+    infra_error: str | None = None
     latency_s: float = 0.0  # time the trajectory waited for the result
     feedback: str = ""  # the text appended to the trajectory ("" if none was appended)
     answer: str | None = None  # the final answer the tool printed (final_answer), if any
 
-    @property
-    def status(self) -> Status:
-        return self.result.status
+    def __post_init__(self) -> None:
+        if not self.status:  # the record's own status, when it has one (the sandbox's ExecResult does)
+            status = getattr(self.result, "status", "")
+            self.status = str(getattr(status, "value", status))
 
     @property
     def infra_failure(self) -> bool:
-        """The sandbox infrastructure failed: not an outcome of the model's code."""
-        return self.result.status in INFRA_FAILURES
+        """The tool's infrastructure failed: not an outcome of the model's call."""
+        return self.infra_error is not None
 
 
 @dataclass(kw_only=True, slots=True)

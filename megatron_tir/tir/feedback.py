@@ -4,22 +4,22 @@
   ``final_answer(x)``, which prints ``\\boxed{x}`` (LaTeX for SymPy objects when SymPy is
   already imported, ``str(x)`` otherwise) and returns ``x``. It is one line, so line
   numbers in tracebacks are one more than in the model's block.
-* :func:`format_feedback` turns an :class:`~sandbox_cluster.protocol.ExecResult` into
-  the text appended after the block: ``Code Execution Result:`` and the stdout, cut in
+* :func:`format_feedback` turns a :class:`ProgramRun` (what running the block gave: the
+  Python tool fills it from the sandbox's record) into the text appended after the block: ``Code Execution Result:`` and the stdout, cut in
   the middle (head and tail kept) past ``max_output_chars``, then the last
   ``stderr_lines`` lines of stderr if there are any -- on an error and on a successful run
   alike (a warning such as numpy's ``RuntimeWarning: divide by zero`` tells the model why
   a printed value is ``inf``; SimpleTIR instead replaces the whole feedback by stderr's
   last line, which hides what the program printed); a plain sentence for empty output, a
-  timeout, a memory kill or an output flood. Infrastructure failures (``sandbox_error``,
-  ``overloaded``) are not model feedback: the driver records them as a failed tool call.
+  timeout, a memory kill or an output flood. Infrastructure failures are not model
+  feedback (they have no :class:`RunStatus`): the driver records them as a failed tool call.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-
-from sandbox_cluster.protocol import ExecResult, Status
+from typing import Protocol
 
 FINAL_ANSWER_PRELUDE = (
     "def final_answer(result):"
@@ -31,7 +31,35 @@ FINAL_ANSWER_PRELUDE = (
 )
 
 FEEDBACK_HEADER = "Code Execution Result:"
-INFRA_FAILURES = frozenset({Status.SANDBOX_ERROR, Status.OVERLOADED})
+
+
+class RunStatus(str, enum.Enum):
+    """How a program the model wrote ended: always the model's doing (its code, its limits)."""
+
+    OK = "ok"
+    ERROR = "error"  # it raised / exited non-zero
+    TIMEOUT = "timeout"
+    MEMORY = "memory"
+    OUTPUT_LIMIT = "output_limit"
+
+
+class ProgramRun(Protocol):
+    """What running a program gave, as the feedback reads it (the sandbox's record fits)."""
+
+    status: str  # a RunStatus value
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    stdout_truncated: bool
+
+
+def run_status(result: ProgramRun) -> RunStatus:
+    """``result.status`` as a RunStatus; ValueError for anything else (an infrastructure failure)."""
+    try:
+        return RunStatus(getattr(result.status, "value", result.status))
+    except ValueError:
+        raise ValueError(f"{getattr(result.status, 'value', result.status)} is not a program outcome: an "
+                         "infrastructure failure, not model feedback") from None
 
 
 def program_for(code: str) -> str:
@@ -70,33 +98,31 @@ def stderr_tail(stderr: str, lines: int, max_chars: int) -> str:
     return out if len(out) <= max_chars else "..." + out[len(out) - max_chars + 3:]
 
 
-def format_feedback(result: ExecResult, config: FeedbackConfig, *, timeout: float, memory_mb: int,
+def format_feedback(result: ProgramRun, config: FeedbackConfig, *, timeout: float, memory_mb: int,
                     leading_newline: bool = True) -> str:
     """The feedback text for one execution (not for infrastructure failures)."""
-    if result.status in INFRA_FAILURES:
-        raise ValueError(f"{result.status.value} is an infrastructure failure, not model feedback")
+    status = run_status(result)
     stdout = result.stdout.rstrip("\n")
     parts: list[str] = []
     if stdout:
         parts.append(truncate_middle(stdout, config.max_output_chars))
-    status = result.status
-    if status is Status.OK:
+    if status is RunStatus.OK:
         if result.stdout_truncated:
             parts.append("[output truncated by the sandbox]")
         if result.stderr.strip():  # warnings of a successful run (e.g. numpy's divide by zero)
             parts.append(stderr_tail(result.stderr, config.stderr_lines, config.max_stderr_chars))
         if not parts:
             parts.append("[no output; use print() to see values]")
-    elif status is Status.ERROR:
+    elif status is RunStatus.ERROR:
         tail = stderr_tail(result.stderr, config.stderr_lines, config.max_stderr_chars)
         parts.append(tail or f"[the program failed with exit code {result.exit_code} and no error message]")
-    elif status is Status.TIMEOUT:
+    elif status is RunStatus.TIMEOUT:
         parts.append(f"TimeoutError: the program did not finish within the {timeout:g} s time limit")
-    elif status is Status.MEMORY:
+    elif status is RunStatus.MEMORY:
         parts.append(f"MemoryError: the program exceeded the {memory_mb} MB memory limit and was killed")
-    elif status is Status.OUTPUT_LIMIT:
+    elif status is RunStatus.OUTPUT_LIMIT:
         parts.append("[the program printed too much output and was stopped]")
-    else:  # pragma: no cover - Status is closed; a new member must be handled here
+    else:  # pragma: no cover - RunStatus is closed; a new member must be handled here
         raise AssertionError(f"unhandled sandbox status {status!r}")
     body = "\n".join(parts)
     lead = "\n" if leading_newline else ""

@@ -72,7 +72,7 @@ STOPS_CLOSING_FENCE: tuple[str, ...] = tuple(eol + " " * k + FENCE for eol in ("
 
 
 class TurnKind(str, enum.Enum):
-    CODE = "code"  # a complete executable code block: run it, append its feedback
+    CODE = "code"  # a complete tool call (the python tool: an executable code block): run it, append its feedback
     ANSWER = "answer"  # no complete code block, a final \boxed{} answer in prose
     VOID = "void"  # neither: the trajectory stops and is excluded from the policy loss
     ABORTED = "aborted"  # the engine aborted the turn before any code or answer: not the model's doing, never void
@@ -273,6 +273,7 @@ class TurnClass:
     answer: str | None = None  # the last \boxed{} in the turn's prose, whatever the kind
     code_end: int | None = None  # for "code": offset just past the closing fence
     final: bool = False  # the turn gives a final answer: the trajectory ends after it (after its code runs)
+    tool: str | None = None  # for "code": the name of the tool whose call the turn ends with
 
     @property
     def void(self) -> bool:

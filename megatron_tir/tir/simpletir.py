@@ -37,8 +37,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from megatron_tir.tir.feedback import ProgramRun, run_status
 from megatron_tir.tir.markup import TurnClass, TurnKind
-from sandbox_cluster.protocol import ExecResult
 
 PROMPT = (
     "Solve the following problem step by step. You now have the ability to selectively write executable Python "
@@ -115,8 +115,9 @@ def program_for(code: str) -> str:
     return FINAL_ANSWER_PRELUDE + code
 
 
-def format_feedback(result: ExecResult, *, turn_index: int, max_turns: int) -> str:
+def format_feedback(result: ProgramRun, *, turn_index: int, max_turns: int) -> str:
     """The observation SimpleTIR appends after a code turn ("" appends nothing)."""
+    run_status(result)  # a program outcome, not an infrastructure failure
     if turn_index >= max_turns - 1:
         return ""  # the last turn's code runs, its output is not appended
     obs = ""

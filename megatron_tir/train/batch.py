@@ -16,6 +16,7 @@ filter, the ``TrainBatch``) and :func:`mini_batches`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -25,6 +26,9 @@ from megatron_tir.policy.learner_config import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rollout.batch import Group, collate
 from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus
+
+
+SAMPLING_STRATEGIES = ("rounds", "oversample")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,16 +82,17 @@ def _turn_index_BT(trajs, shape) -> torch.Tensor:
     return out
 
 
-def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float
-                  ) -> tuple[list[Group], dict[str, int]]:
-    """The groups the update keeps (dynamic sampling) and how many each rule removed."""
+def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: float, accuracy_hi: float,
+                  overlong: str = "keep", min_rows: int = 1) -> tuple[list[Group], dict[str, int]]:
+    """The groups the update keeps (dynamic sampling) and how many each rule removed; with
+    ``overlong="drop"`` truncated rows do not count (``min_rows``: counted rows a group needs)."""
     if not groups:
         return [], {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
     s = row_summaries(groups)
     stats_B, _ = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B, drop_void=False,
-                             overlong="keep")
+                             overlong="drop" if overlong == "drop" else "keep")
     keep_G, removed = group_keep_G(s.rewards_B, s.group_index_B, stats_B, drop_zero_std=drop_zero_std,
-                                   accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi)
+                                   accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi, min_rows=min_rows)
     return [g for g, k in zip(groups, keep_G.tolist()) if k], removed
 
 
@@ -98,7 +103,8 @@ class TrainRows:
     attention_mask_BT: torch.Tensor
     loss_mask_BT: torch.Tensor  # the row roles applied: 1 on the model tokens that get gradient
     engine_logprobs_BT: torch.Tensor
-    advantages_BT: torch.Tensor
+    advantages_BT: torch.Tensor  # 0 with a critic (GAE fills them in: megatron_tir.train.critic_update)
+    rewards_B: torch.Tensor  # the rows' outcome rewards (the critic's token rewards)
     versions_BT: torch.Tensor  # long: weight version that sampled each loss token, -1 elsewhere
     turn_index_BT: torch.Tensor  # long: turn index of each model token, -1 elsewhere
     mini_batch_B: torch.Tensor  # long: the mini-batch (0..n-1) the row belongs to
@@ -149,14 +155,19 @@ class UpdatePlan:
     advantages_B: torch.Tensor  # of every collated row: mean advantage over its model tokens
 
 
-def plan_update(rt: RolloutTensors, *, mode: str, advantage: str, overlong: str, mini_batches: int) -> UpdatePlan:
-    """Row roles and advantages (megatron_tir.rl.rows), then the trained rows in ``mini_batches``
-    mini-batches of whole groups (fewer when there are fewer groups), in group order."""
+def plan_update(rt: RolloutTensors, *, mode: str, advantage: str | None, overlong: str,
+                mini_batches: int) -> UpdatePlan:
+    """Row roles and advantages (megatron_tir.rl.rows; ``advantage`` None: zeros, a critic's GAE
+    fills them in), then the trained rows in ``mini_batches`` mini-batches of whole groups (fewer
+    when there are fewer groups), in group order."""
     s = rt.rows
     stats_B, loss_B = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B,
                                   drop_void=MODES[mode].drop_void, overlong=overlong)
     # advantages over every counted row first: void rows shape their group's statistics
-    adv_BT = ADVANTAGE_ESTIMATORS[advantage](s.rewards_B, s.group_index_B, stats_B, rt.loss_mask_BT)
+    if advantage is None:
+        adv_BT = torch.zeros_like(rt.loss_mask_BT, dtype=torch.float32)
+    else:
+        adv_BT = ADVANTAGE_ESTIMATORS[advantage](s.rewards_B, s.group_index_B, stats_B, rt.loss_mask_BT)
     adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)
     mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
     trained_B = mask_BT.sum(1) > 0
@@ -167,7 +178,7 @@ def plan_update(rt: RolloutTensors, *, mode: str, advantage: str, overlong: str,
         mini_batch_B[torch.isin(groups, chunk)] = k
     rows = TrainRows(tokens_BT=rt.tokens_BT[trained_B], attention_mask_BT=rt.attention_mask_BT[trained_B],
                      loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rt.engine_logprobs_BT[trained_B],
-                     advantages_BT=adv_BT[trained_B], versions_BT=rt.versions_BT[trained_B],
+                     advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B], versions_BT=rt.versions_BT[trained_B],
                      turn_index_BT=rt.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
     return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B)
 
@@ -236,21 +247,33 @@ class Collected:
 
 
 async def collect_groups(run_round, *, want: int, max_rounds: int, drop_zero_std: bool, accuracy_lo: float,
-                         accuracy_hi: float) -> Collected:
+                         accuracy_hi: float, overlong: str = "keep", min_rows: int = 1, strategy: str = "rounds",
+                         seed: int = 0) -> Collected:
     """Dynamic sampling: call ``run_round()`` (an async function returning scored groups) until
     ``want`` groups pass the group filter or ``max_rounds`` rounds are spent. Fewer (even none)
-    kept groups is a valid outcome: the caller trains on what there is or skips the update."""
+    kept groups is a valid outcome: the caller trains on what there is or skips the update.
+
+    ``strategy="oversample"`` (SimpleTIR's release, ``trainer.oversample_multiplier``): one round;
+    ``want`` of the groups that pass are picked at random (``seed``), and a short batch is filled
+    by repeating passing groups (each repeat is its own group in the statistics, as there)."""
     kept: list[Group] = []
     sampled: list[Group] = []
     removed = {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
     rounds = 0
+    if strategy not in SAMPLING_STRATEGIES:
+        raise ValueError(f"sampling strategy must be one of {', '.join(SAMPLING_STRATEGIES)}, got {strategy!r}")
+    if strategy == "oversample":
+        max_rounds = 1
     while len(kept) < want and rounds < max_rounds:
         groups = await run_round()
         rounds += 1
         sampled.extend(groups)
         ok, rem = filter_groups(groups, drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo,
-                                accuracy_hi=accuracy_hi)
+                                accuracy_hi=accuracy_hi, overlong=overlong, min_rows=min_rows)
         for k, v in rem.items():
             removed[k] += v
         kept.extend(ok)
+    if strategy == "oversample" and kept:
+        rng = random.Random(seed)
+        kept = rng.sample(kept, want) if len(kept) >= want else kept + [rng.choice(kept) for _ in range(want - len(kept))]
     return Collected(groups=kept[:want], sampled=sampled, rounds=rounds, removed=removed)

@@ -16,6 +16,7 @@ baseline with the same loop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, OVERLONG, LossConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.train.batch import SAMPLING_STRATEGIES
+from megatron_tir.train.critic_update import CriticConfig
 from megatron_tir.train.turn_schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
@@ -42,6 +45,7 @@ class DataConfig:
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
     eval_temperature: float | None = None  # None: the rollout temperature
+    eval_top_p: float | None = None  # None: the rollout top_p (SimpleTIR evaluates at 0.7)
     shuffle_seed: int = 0
     arithmetic_digits: int = 4  # operand digits of the generated task
     arithmetic_terms: int = 2
@@ -49,6 +53,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.eval_size < 0 or self.eval_samples < 1:
             raise ValueError("eval_size must be >= 0 and eval_samples >= 1")
+        if self.eval_top_p is not None and not 0 < self.eval_top_p <= 1:
+            raise ValueError(f"eval_top_p must be in (0, 1] (or null), got {self.eval_top_p}")
         if self.arithmetic_digits < 1 or self.arithmetic_terms < 2:
             raise ValueError("arithmetic_digits must be >= 1 and arithmetic_terms >= 2")
 
@@ -59,8 +65,13 @@ class SamplingConfig:
     prompts_per_step: int = 8  # the train batch, in prompts (groups)
     sample_prompts: int | None = None  # prompts sampled per round (dynamic sampling); None: prompts_per_step
     max_rounds: int = 1  # rounds of sampling to fill the train batch before training on what there is
+    # "rounds": keep the first prompts_per_step passing groups of up to max_rounds rounds;
+    # "oversample": one round, a random pick, a short batch filled by repeats (SimpleTIR's release)
+    strategy: str = "rounds"
 
     def __post_init__(self) -> None:
+        if self.strategy not in SAMPLING_STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(SAMPLING_STRATEGIES)}, got {self.strategy!r}")
         for name in ("prompts_per_step", "max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -79,7 +90,8 @@ class FilterConfig:
     drop_zero_std: bool = True  # group filter: groups whose rewards all agree carry no signal
     accuracy_lo: float = 0.0  # group filter: keep groups with accuracy in [lo, hi]
     accuracy_hi: float = 1.0
-    overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep"
+    overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep" | "drop" (no loss, not in the statistics)
+    min_group_rows: int = 1  # group filter: groups with fewer counted rows are dropped (release: 4 with "drop")
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
     high_ratio_bound: float = 5.0  # mode high_ratio_filter: tokens with ratio above it get no loss
 
@@ -88,6 +100,8 @@ class FilterConfig:
             raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
         if not 0 <= self.accuracy_lo <= self.accuracy_hi <= 1:
             raise ValueError(f"need 0 <= accuracy_lo <= accuracy_hi <= 1, got [{self.accuracy_lo}, {self.accuracy_hi}]")
+        if self.min_group_rows < 1:
+            raise ValueError(f"min_group_rows must be >= 1, got {self.min_group_rows}")
         if not 0 <= self.low_prob_fraction < 1:
             raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
         if not self.high_ratio_bound > 1:
@@ -103,8 +117,9 @@ class PPOConfig:
     old_logprobs: str = "learner"  # learner | engine
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}")
+        if self.advantage not in ADVANTAGE_ESTIMATORS and self.advantage != "gae":
+            raise ValueError(f"advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, gae, got "
+                             f"{self.advantage!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
         for name in ("epochs", "mini_batches"):
@@ -116,11 +131,14 @@ class PPOConfig:
 class CheckpointConfig:
     """When run checkpoints are written and how many are kept."""
     every: int = 0  # steps between run checkpoints (0: only at the end)
+    minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
     keep_last: int = 2
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.minutes < 0:
+            raise ValueError(f"minutes must be >= 0, got {self.minutes}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
@@ -179,10 +197,14 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # trainer.ppo.advantage=gae only
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
+            raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
+                             "trainer.loss.kl_coef is the KL loss for the other estimators")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
@@ -227,37 +249,85 @@ def smollm2_cpu() -> TrainConfig:
     )
 
 
-def _simpletir(model: str, *, tp: int, pp: int) -> TrainConfig:
-    """SimpleTIR appendix C.2: T=1, n=16, sample 1280 / train 512 prompts, 4 epochs, lr 1e-6, clip
-    0.2/0.28, grad clip 1, no KL or entropy; 16K tokens and 5 turns, then 24K / 10 on a plateau."""
+def _simpletir(model: str, *, tp: int, pp: int, **memory) -> TrainConfig:
+    """SimpleTIR as released (ltzheng/SimpleTIR ``train.sh`` + README at e7b5b44; README.md's recipe
+    table lists every value beside the paper's): T=1, n=16, train batch 512 prompts in 4
+    mini-batches of 128, one pass (each sample used once), over-sampling 3x once with a random
+    pick and repeats for a short batch, accuracy filter 0.1-0.9, truncated rows removed from the
+    statistics (groups with < 4 rows left dropped), AdamW wd 0.01 / betas (0.9, 0.99), lr 1e-6,
+    clip 0.2/0.28 and c=3, grad clip 1, no KL or entropy, the released protocol, 8000 tokens per
+    turn and 16000 per response with 5 turns (then 24K / 10 on a plateau, the paper's schedule);
+    held-out AIME24 at n=16, top-p 0.7.
+    ``memory``: the learner's sequence parallelism / recomputation, as ``tir-launch plan`` sized them
+    for 80 GiB H100s (launch/README.md); a run checkpoint every hour as well as every 20 steps, so a
+    4-hour job writes one."""
     return TrainConfig(
         model=model,
         learner=LearnerConfig(tp=tp, pp=pp, dtype="bfloat16", lr=1e-6, grad_clip=1.0, distributed_optimizer=True,
-                              max_tokens_per_microbatch=32768),
-        rollout=RolloutConfig(n_samples=16, max_turns=5, max_response_tokens=16384, temperature=1.0,
-                              max_in_flight=1024),
+                              weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.99,
+                              max_tokens_per_microbatch=32768, **memory),
+        rollout=RolloutConfig(n_samples=16, max_turns=5, max_response_tokens=16000, max_turn_tokens=8000,
+                              temperature=1.0, max_in_flight=1024, protocol="simpletir"),
         engine=EngineConfig(kind="sglang", urls=("http://localhost:30000",)),
         sandbox=SandboxConfig(workers=64),
         # ~20K answers per sampling round, checked on rank 0's node while the sandbox runs elsewhere
         reward=RewardConfig(workers=16),
-        data=DataConfig(train="math_train", eval="aime24", eval_size=30, eval_samples=16),
+        data=DataConfig(train="math_train", eval="aime24", eval_size=30, eval_samples=16, eval_top_p=0.7),
         trainer=TrainerConfig(steps=500,
-                              sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1280, max_rounds=3),
-                              ppo=PPOConfig(epochs=4, mini_batches=1),
-                              checkpoint=CheckpointConfig(every=20, keep_last=3), eval_every=20,
+                              sampling=SamplingConfig(prompts_per_step=512, sample_prompts=1536, max_rounds=1,
+                                                      strategy="oversample"),
+                              filters=FilterConfig(accuracy_lo=0.1, accuracy_hi=0.9, overlong="drop",
+                                                   min_group_rows=4),
+                              ppo=PPOConfig(epochs=1, mini_batches=4),
+                              checkpoint=CheckpointConfig(every=20, minutes=60.0, keep_last=3), eval_every=20,
                               turn_schedule=TurnScheduleConfig(on_plateau=True, max_turns=10,
                                                                max_response_tokens=24576)),
     )
 
 
 def qwen25_7b_simpletir() -> TrainConfig:
-    """Qwen2.5-7B: TP=4 (one H100 node holds 2 learner replicas; 24K-token rows need the split)."""
-    return _simpletir("Qwen2.5-7B", tp=4, pp=1)
+    """Qwen2.5-7B: TP=4 (one H100 node holds 2 learner replicas; 24K-token rows need the split) with
+    sequence parallelism: ~61 GiB per GPU at 32K-token micro-batches (~80 without)."""
+    return _simpletir("Qwen2.5-7B", tp=4, pp=1, sequence_parallel=True)
 
 
 def qwen25_32b_simpletir() -> TrainConfig:
-    """Qwen2.5-32B: TP=8 within a node x PP=2 across two H100 nodes per replica."""
-    return _simpletir("Qwen2.5-32B", tp=8, pp=2)
+    """Qwen2.5-32B: TP=8 within a node x PP=2 across two H100 nodes per replica, sequence parallelism
+    and full recomputation of every layer: ~26 / 32 GiB on stages 0 / 1 (149 / 94 without)."""
+    return _simpletir("Qwen2.5-32B", tp=8, pp=2, sequence_parallel=True, recompute_granularity="full",
+                      recompute_method="uniform", recompute_num_layers=1)
+
+
+def qwen25_7b_textonly() -> TrainConfig:
+    """The paper's Table 1 zero-RL baseline: the 7B SimpleTIR recipe with no tool (one turn, no code
+    executed; a response without an answer is a wrong answer, not a void turn)."""
+    cfg = qwen25_7b_simpletir()
+    cfg.rollout.tools, cfg.rollout.max_turns, cfg.rollout.max_turn_tokens = False, 1, None
+    cfg.trainer.turn_schedule.on_plateau = False
+    return TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # re-validated
+
+
+def qwen25_7b_zerotir() -> TrainConfig:
+    """ZeroTIR's PPO (arXiv 2505.07773; yyht/openrlhf_async_pipline
+    ``examples/scripts/train_long_cot_ray_7b_ppo_tune_zero_v1_onpolicy_env_mask.sh``): GAE with
+    gamma = lambda = 1 and a critic trained on the model's tokens only (``--use_env_mask``), critic
+    lr 5e-6 and 10 critic-only steps (``--freezing_actor_steps 10``), value clip 0.2 (OpenRLHF's
+    default), 128 prompts x 16 samples per rollout and one update on all of them, groups with
+    0/16 or 16/16 correct dropped (``--use_acc_filter``), 16000 generated tokens. The script
+    leaves the actor lr and the KL coefficient as variables (``${LR}``, ``${KL}``): 1e-6 and no KL
+    here."""
+    cfg = qwen25_7b_simpletir()
+    return TrainConfig(
+        model=cfg.model, learner=dataclasses.replace(cfg.learner, weight_decay=0.0, adam_beta2=0.999),
+        rollout=dataclasses.replace(cfg.rollout, protocol="default", max_turn_tokens=None, max_response_tokens=16000),
+        engine=cfg.engine, sandbox=cfg.sandbox, reward=cfg.reward,
+        data=dataclasses.replace(cfg.data, eval_top_p=None),
+        trainer=TrainerConfig(steps=500, mode="simpletir", sampling=SamplingConfig(prompts_per_step=128),
+                              filters=FilterConfig(drop_zero_std=True, overlong="mask"),
+                              ppo=PPOConfig(advantage="gae", epochs=1, mini_batches=1),
+                              checkpoint=cfg.trainer.checkpoint, eval_every=20),
+        critic=CriticConfig(lr=5e-6, warmup_steps=10, value_clip=0.2, gamma=1.0, lam=1.0, kl_reward_coef=0.0),
+    )
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
@@ -265,6 +335,8 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "smollm2-cpu": smollm2_cpu,
     "qwen2.5-7b-simpletir": qwen25_7b_simpletir,
     "qwen2.5-32b-simpletir": qwen25_32b_simpletir,
+    "qwen2.5-7b-zerotir": qwen25_7b_zerotir,
+    "qwen2.5-7b-textonly": qwen25_7b_textonly,
 }
 
 

@@ -24,12 +24,13 @@ import torch
 from megatron_tir.observe.probe import TurnProbe
 from megatron_tir.observe.run_log import StepObserver
 from megatron_tir.observe.trackers import open_trackers
-from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import build_update, mini_batches
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
+from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import held_out_problems
 from megatron_tir.train.metrics import open_metrics
@@ -46,9 +47,10 @@ def _timed(timings: dict, name: str):
 
 
 def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, source: RolloutSource,
-          reference=None) -> TrainerState:
+          reference=None, critic=None) -> TrainerState:
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``reference``: a frozen learner of the
-    initial policy (KL term), else None."""
+    initial policy (KL term), else None; ``critic`` the value learner of ``trainer.ppo.advantage=gae``
+    (``megatron_tir.train.critic_update``), else None."""
     tc = cfg.trainer
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
     sink = open_metrics(run_dir, truncate_to=state.metrics_offset if state.step else None,
@@ -69,11 +71,13 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
         # 2. the update, then the new weights to the engines.
-        metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference)
+        metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference,
+                                 critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
             with _timed(timings, "sync"):
                 source.sync_weights(learner)
-        updated = metrics.get("train/optimizer_steps", 0) > metrics.get("train/skipped_steps", 0)
+        updated = metrics.get("train/optimizer_steps", 0) > metrics.get("train/skipped_steps", 0) or (
+            metrics.get("critic/warmup") == 1.0 and metrics.get("critic/skipped", 1.0) < 1.0)  # the critic learned
         steps_without_update = 0 if updated else steps_without_update + 1
         state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
         # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
@@ -93,7 +97,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             state.metrics_offset = sink.offset
-            ckpts.save({POLICY: learner}, state)
+            ckpts.save({POLICY: learner} | ({CRITIC: critic} if critic is not None else {}), state)
             pending_ckpt_s = time.perf_counter() - t0
     observer.close()
     sink.close()
@@ -101,9 +105,11 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
 
 
 def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *, temperature: float,
-                  reference=None) -> dict[str, float]:
+                  reference=None, critic=None, critic_only: bool = False) -> dict[str, float]:
     """Old log-probs and the mode's token filter, then PPO epochs over mini-batches of this rank's
-    rows (every rank of the world takes the same number of optimizer steps); the train metrics."""
+    rows (every rank of the world takes the same number of optimizer steps); the train metrics.
+    With a ``critic``: GAE advantages from its values and a critic step before each policy step
+    (``critic_only``: the critic's warm-up, no policy step)."""
     tc = cfg.trainer
     if got.rows is None:
         log.warning("no group passed the filters; no update")
@@ -118,6 +124,13 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
                                                                    temperature=temperature, local_rows=True)
     update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
                           ref_logprobs_BT=ref_BT)
+    critic_metrics: dict[str, float] = {}
+    if critic is not None:
+        with _timed(timings, "values"):
+            update.batch, critic_metrics = gae_advantages(
+                update.batch, rows.rewards_B, critic, cfg.critic, model_mask_BT=rows.loss_mask_BT, behaviour_BT=old_BT,
+                ref_BT=ref_BT, local_rows=True)
+    critic_steps: list[dict[str, float]] = []
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=got.turns)
     token_loss = TokenLoss(token_loss=loss_fn, temperature=temperature, with_entropy=True)  # entropy: a diagnostic
@@ -125,7 +138,11 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
     with _timed(timings, "train"), _phase_bar(tc.progress, "update", tc.ppo.epochs * got.mini_batches) as bar:
         for _ in range(tc.ppo.epochs):
             for mb in mini_batches(update, got.mini_batches):
-                results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation, local_rows=True))
+                if critic is not None:
+                    critic_steps.append(critic_step(critic, mb, cfg.critic, tc.loss.aggregation, local_rows=True))
+                if not critic_only:
+                    results.append(learner.train_step(mb, token_loss, aggregation=tc.loss.aggregation,
+                                                      local_rows=True))
                 bar.update(1)
     max_ratio = loss_fn.loss_fn.max_ratio_tensor  # on the loss's device: the group's backend needs it there
     if max_ratio is None:
@@ -136,12 +153,16 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/max_ratio": float(max_ratio),
-        "train/loss": sum(r.loss for r in results) / len(results),
-        "train/grad_norm": sum(r.grad_norm for r in results) / len(results),
-        "train/padding_share": sum(r.padding_share for r in results) / len(results),
-    }
-    means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
-    metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
+    } | critic_metrics
+    if critic_steps:
+        metrics |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
+        metrics["critic/warmup"] = float(critic_only)
+    if results:  # the same on every rank (critic_only is)
+        metrics |= {"train/loss": sum(r.loss for r in results) / len(results),
+                    "train/grad_norm": sum(r.grad_norm for r in results) / len(results),
+                    "train/padding_share": sum(r.padding_share for r in results) / len(results)}
+        means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
+        metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return metrics
 
 

@@ -230,7 +230,9 @@ class RolloutSource:
         one_round = functools.partial(self._sample_round, self._rollout_cfg)
         f = tc.filters
         coro = collect_groups(one_round, want=tc.sampling.prompts_per_step, max_rounds=tc.sampling.max_rounds,
-                              drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi)
+                              drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi,
+                              overlong=f.overlong, min_rows=f.min_group_rows, strategy=tc.sampling.strategy,
+                              seed=tc.seed * 100003 + step)
         self._pending[step] = (time.perf_counter(), self.service.submit(coro))
 
     async def _sample_round(self, rollout_cfg):
@@ -269,8 +271,9 @@ class RolloutSource:
         shares = None
         if got.groups and header["stop"] is None:
             rt = to_tensors(got.groups, pad_id=self._pad_id)
-            plan = plan_update(rt, mode=tc.mode, advantage=tc.ppo.advantage, overlong=tc.filters.overlong,
-                               mini_batches=tc.ppo.mini_batches)
+            gae = tc.ppo.advantage == "gae"  # the critic's GAE fills the advantages in on every rank
+            plan = plan_update(rt, mode=tc.mode, advantage=None if gae else tc.ppo.advantage,
+                               overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
             s = rt.rows
             metrics |= {"filter/rows": float(rt.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
                         "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
@@ -307,7 +310,9 @@ class RolloutSource:
             return {}
         cfg, rc = self.cfg, self._rollout_cfg
         T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rc.temperature
-        ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, seed=cfg.trainer.seed + 1)
+        top_p = cfg.data.eval_top_p if cfg.data.eval_top_p is not None else rc.top_p
+        ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
+                                   seed=cfg.trainer.seed + 1)
         t0 = time.perf_counter()
         groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
         if observe is not None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import torch
 
-from megatron_tir.policy.checkpoint.layout import POLICY
+from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
@@ -32,9 +33,16 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
-        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 else None
+        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0 \
+            else None
+        critic = None
+        if cfg.trainer.ppo.advantage == "gae":  # the critic: same layout, a value head, its own optimizer
+            critic = Learner(dataclasses.replace(cfg.learner, head="value", lr=cfg.critic.lr, min_lr=0.0,
+                                                 warmup_steps=0, lr_decay_style="constant", lr_decay_steps=None,
+                                                 model=cfg.critic.model or cfg.learner.model))
         if resume:
-            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load({POLICY: learner})
+            learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
+            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(learners)
             state.step, state.data_position = loaded.step, loaded.data_position
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
@@ -47,6 +55,6 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
                            schedule_switched_at=state.schedule_switched_at) as source:
             if resume:  # the engines start from the base weights: give them the policy's
                 source.sync_weights(learner)
-            return train(cfg, run_dir, state, learner=learner, source=source, reference=reference)
+            return train(cfg, run_dir, state, learner=learner, source=source, reference=reference, critic=critic)
     finally:
         destroy_parallel()

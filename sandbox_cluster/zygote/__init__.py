@@ -2,9 +2,10 @@
 
 A worker starts it with ``python -P -m sandbox_cluster.zygote`` and a *clean* environment
 (so neither its memory nor ``/proc/<pid>/environ`` holds the worker's secrets), hands it one
-end of a socketpair, and speaks length-prefixed msgpack over it (``protocol.send_frame``):
-a hello, then requests in, results out. The zygote holds no ZeroMQ state (ZeroMQ's threads
-do not survive ``fork``).
+end of a socketpair: a hello, then per request its limits and a memfd holding it (passed on
+to the cell unread) in, the outcome and the cell's raw output out (``protocol``): the zygote
+never holds what a request carries, since every later cell would inherit it. The zygote
+holds no ZeroMQ state (ZeroMQ's threads do not survive ``fork``).
 
 - ``serve``: the process: its own pid namespace, set-up, warm-up, the serving loop;
 - ``layers``: isolation set-up and probing (namespaces, cgroups, seccomp, the cells' root);

@@ -1,9 +1,9 @@
 """The cell: the body of the process a zygote forks for one request.
 
 Forked ahead of its request (``Zygote.prepare_next``), it starts a new session, gets its
-stdio pipes, closes every other fd, chdirs into the private /tmp, sets the
-request-independent rlimits and waits, still root but having run no foreign code, for its
-request on fd 0. Then it sets the CPU and address-space limits, drops to the slot's
+stdio pipes, closes every other fd, sets the request-independent rlimits and waits, still root but having run no foreign code, for its
+request on fd 0 (a socket: a header, and the memfd the worker wrote the request into, which
+the zygote passes on unread). Then it sets the CPU and address-space limits, drops to the slot's
 uid/gid, loads seccomp and runs the code in-process with the warm modules. At its end it
 writes (request number, exit code, CPU time) into the page it shares with the zygote and
 closes its output, so the zygote can answer before the exit itself.
@@ -18,6 +18,7 @@ import mmap
 import os
 import resource
 import signal
+import socket
 import struct
 import sys
 from typing import NoReturn
@@ -40,7 +41,7 @@ CELL_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 
-HEADER = struct.Struct("!QIQ")  # address-space limit (bytes), CPU limit (s), request number; then the request
+HEADER = struct.Struct("!QIQ")  # address-space limit (bytes), CPU limit (s), request number; with the request's memfd
 REPORT = struct.Struct("=Qid")  # request number, exit code, CPU seconds: what a cell reports at its end
 
 
@@ -81,7 +82,6 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        os.chdir(cell.workdir)
         lim = cell.limits
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb << 20, lim.max_file_mb << 20))
@@ -90,11 +90,13 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
         isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
         sys.stdin, sys.stdout, sys.stderr = cell.stdio
         sys.argv = ["<cell>"]
-        message = _read_to_eof(0)  # ------------------------------- waits here for its request
-        if not message:
+        handed = _receive(0)  # ------------------------------------ waits here for its request
+        if handed is None:
             os._exit(0)  # the zygote shut down before a request came
-        as_limit, cpu_limit, seq = HEADER.unpack_from(message)
-        req = decode_request(message[HEADER.size:])
+        (as_limit, cpu_limit, seq), request = handed
+        req = decode_request(request)
+        del handed, request
+        os.chdir(cell.workdir)  # (only now: the zygote may have replaced the scratch tmpfs meanwhile)
         stdin_fd = os.memfd_create("stdin") if req.stdin else os.open(os.devnull, os.O_RDONLY)
         if req.stdin:
             os.write(stdin_fd, req.stdin.encode())
@@ -143,11 +145,31 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
     os._exit(code)
 
 
-def _read_to_eof(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
+def _receive(fd: int) -> tuple[tuple[int, int, int], bytes] | None:
+    """The header the zygote sent on ``fd`` (a socket) and the request in the memfd that came
+    with it (read here, closed); None when the zygote hung up without one."""
+    sock = socket.socket(fileno=fd)
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, HEADER.size, 1)
+        while data and len(data) < HEADER.size:
+            more = sock.recv(HEADER.size - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        sock.detach()
+    if len(data) < HEADER.size or len(fds) != 1:
+        return None
+    request_fd = fds[0]
+    size, chunks, offset = os.fstat(request_fd).st_size, [], 0
+    while offset < size:
+        chunk = os.pread(request_fd, size - offset, offset)
+        if not chunk:
+            break
         chunks.append(chunk)
-    return b"".join(chunks)
+        offset += len(chunk)
+    os.close(request_fd)
+    return HEADER.unpack(data), b"".join(chunks)
 
 
 def run_cell(code: str) -> int:

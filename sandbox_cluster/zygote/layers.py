@@ -16,6 +16,7 @@ memory limit).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import signal
@@ -28,6 +29,8 @@ from .cell import CELL_ENV
 from .warm import import_warm_modules
 
 log = logging.getLogger(__name__)
+
+REMOUNT_ABOVE_INODES = 512  # a scratch tmpfs holding more is replaced, not wiped entry by entry
 
 
 class Layers:
@@ -112,10 +115,12 @@ class Layers:
                 import_warm_modules()  # their shared libraries are mapped now: part of the allowlist
                 exposed, masked = rootfs.exposed_paths(self.limits.expose)
                 root = rootfs.build_root(exposed, masked, rootfs.literal_paths(self.limits.expose),
-                                         uid=self.uid, gid=self.gid, scratch_mb=self.limits.tmpfs_mb)
+                                         uid=self.uid, gid=self.gid, scratch_mb=self.limits.tmpfs_mb,
+                                         scratch_inodes=self.limits.tmpfs_inodes)
             except OSError as exc:  # degraded (reported): the host's tree, read-only, with a private scratch
                 allowlist[0] = exc
-                self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.uid, self.gid)
+                self.tmpfs_dirs = isolation.mount_private_tmpfs(self.limits.tmpfs_mb, self.limits.tmpfs_inodes,
+                                                                self.uid, self.gid)
                 try:
                     done = isolation.remount_read_only(keep=self.tmpfs_dirs)
                     read_only[0] = f"{done} mounts read-only (all but the scratch tmpfs, /proc, /sys, /dev)"
@@ -133,12 +138,18 @@ class Layers:
                                 + (f", {len(masked)} project dirs hidden" if masked else ""))
                 read_only[0] = "every mount of the cells' root but the scratch tmpfs and /proc"
                 log.debug("exposed to cells (read-only): %s", ", ".join(exposed))
-            return f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB each)"
+            return (f"{','.join(self.tmpfs_dirs)} ({self.limits.tmpfs_mb} MiB, "
+                    f"{self.limits.tmpfs_inodes} inodes each)")
 
         if self._protect("private_tmpfs", private_tmp) is not None:
             self.scratch_dirs = list(self.tmpfs_dirs)
         else:  # degraded (reported): a fresh private dir on the host, never a shared one like /tmp
-            self.workdir = tempfile.mkdtemp(prefix=f"sandbox-cell-{self.uid}-")
+            prefix = f"sandbox-cell-{self.uid}-"
+            for stale in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(prefix) + "*")):
+                # a killed zygote's: this uid is leased to this slot alone on the host
+                isolation.wipe_dir(stale)
+                os.rmdir(stale)
+            self.workdir = tempfile.mkdtemp(prefix=prefix)
             if self.can_switch_uid:
                 os.chown(self.workdir, self.uid, self.gid)
             self.scratch_dirs = [self.workdir]
@@ -246,7 +257,17 @@ class Layers:
         isolation.reap_zombies()
 
     def wipe_scratch(self) -> None:
+        """Empty the scratch dirs: entry by entry, or, for a private tmpfs holding many entries
+        and no exposed tree, by mounting a fresh one over it (constant time, in the kernel; the
+        cell forked ahead enters /tmp only once its request came)."""
         for d in self.scratch_dirs:
+            if d in self.tmpfs_dirs and not any(os.path.dirname(k) == d for k in self.keep):
+                try:
+                    if isolation.inodes_used(d) > REMOUNT_ABOVE_INODES:
+                        isolation.fresh_tmpfs(d, self.limits.tmpfs_mb, self.limits.tmpfs_inodes, self.uid, self.gid)
+                        continue
+                except OSError as exc:
+                    log.warning("could not replace the tmpfs at %s (%s); wiping it entry by entry", d, exc)
             isolation.wipe_dir(d, self.keep)
 
     def close(self) -> None:

@@ -12,12 +12,13 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 
 from .. import hugepages, isolation
 from ..limits import SandboxLimits
-from ..protocol import ExecResult, Status, ZygoteHello, decode_request, encode, encode_msg, recv_frame, send_frame
-from .slot import Zygote
+from ..protocol import CellOutcome, ZygoteHello, encode_msg, recv_job, send_frame
+from .slot import CellRun, Zygote
 from .warm import prepare_warm_interpreter
 
 log = logging.getLogger(__name__)
@@ -52,24 +53,30 @@ def enter_pid_namespace(keep_fd: int) -> str | Exception:
 
 
 def serve(zygote: Zygote, sock: socket.socket) -> int:
-    """Answer requests until the worker closes the socket."""
+    """Answer requests until the worker closes the socket. What a request carries goes from
+    the worker to the cell in a memfd passed on unread, and what the cell prints back to the
+    worker from buffers unmapped once sent: nothing of it stays in this process, whose memory
+    every later cell inherits."""
     zygote.prepare_next()
     while True:
-        frame = recv_frame(sock)
-        if frame is None:
+        try:
+            job = recv_job(sock)
+        except ConnectionError as exc:
+            log.error("bad request from the worker: %s", exc)
+            return 1
+        if job is None:
             return 0
+        timeout, memory_mb, request_fd = job
         try:
-            req = decode_request(frame)
-        except ValueError as exc:
-            send_frame(sock, encode(ExecResult(id="", status=Status.SANDBOX_ERROR, message=str(exc))))
-            continue
-        try:
-            result = zygote.execute(req)
+            run = zygote.execute(timeout, memory_mb, request_fd)
         except Exception as exc:  # noqa: BLE001 - e.g. fork() refused: answer, clean up, keep serving
-            log.exception("request %s failed inside the zygote", req.id)
+            log.exception("a request failed inside the zygote")
             zygote.recover()
-            result = ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"zygote: {exc}")
-        send_frame(sock, encode(result))
+            run = CellRun(CellOutcome(error=f"zygote: {exc}", timeout=timeout, memory_mb=memory_mb))
+        try:
+            run.send(sock)
+        finally:
+            run.close()
         zygote.finish()
         if zygote.served % RECOLLAPSE_EVERY == 0:  # the zygote's writes since have split some
             zygote.recollapse()  # huge pages; a few ms to merge them back
@@ -81,14 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--uid", type=int, required=True)
     parser.add_argument("--limits", required=True)
-    parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--cell-nice", type=int)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s zygote[uid {args.uid}] %(levelname)s %(message)s")
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != args.parent:
+    # Started by the process that made our socketpair (its peer), or that one died before the
+    # PDEATHSIG above was set. (Not a pid on the command line: every cell inherits it.)
+    probe = socket.socket(fileno=args.fd)
+    try:
+        peer_pid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    finally:
+        probe.detach()  # (not closed)
+    if os.getppid() != peer_pid:
         return 1
+    del peer_pid
     os.environ.pop("PYTHONPATH", None)  # only needed to start; cells get exactly CELL_ENV
     pid_namespace = enter_pid_namespace(args.fd)  # from here on: pid 1 of a new pid namespace
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -2,8 +2,9 @@
 
 The next cell is forked ahead of its request, while the current one runs (fork() of a
 warm interpreter costs milliseconds; on a machine with a free core it is off the
-request's path) and waits for its request (``cell``). ``execute`` hands a request to it,
-watches it (``supervise``), and answers; a cell that ran to its end and reported it is
+request's path) and waits for its request (``cell``). ``execute`` hands a request to it (a
+memfd the worker wrote, passed on unread), watches it (``supervise``), and answers with the
+outcome and the output, which the worker turns into the result; a cell that ran to its end and reported it is
 answered at once, its reap, tree kill and scratch wipe following right after the answer
 (``finish``), before the next request.
 """
@@ -16,14 +17,17 @@ import math
 import mmap
 import os
 import signal
+import socket
 import time
+
+import msgspec
 
 from .. import hugepages
 from ..limits import SandboxLimits
-from ..protocol import ExecRequest, ExecResult, Protection, Status, encode
+from ..protocol import CellOutcome, ExecRequest, ExecResult, Protection, encode, send_outcome
 from .cell import HEADER, REPORT, CellSetup, cell_main, stdio_wrappers
 from .layers import Layers
-from .supervise import classify, drain, watch
+from .supervise import Capture, drain, exec_result, watch
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +35,43 @@ _ZERO_PAGE = bytes(mmap.PAGESIZE)
 
 
 @dataclasses.dataclass(slots=True)
+class CellRun:
+    """What ``execute`` gives back: the outcome, and the cell's output in its own mappings
+    (``send`` them to the worker, then ``close``: they are unmapped)."""
+
+    outcome: CellOutcome
+    captures: tuple[Capture, Capture] | tuple[()] = ()
+
+    def sizes(self) -> dict[str, tuple[int, int, int]]:
+        out = {}
+        for name, cap in zip(("stdout", "stderr"), self.captures):
+            head, tail = cap.parts()
+            out[name] = (cap.total, len(head), sum(len(t) for t in tail))
+            head.release()
+            for t in tail:
+                t.release()
+        return out
+
+    def send(self, sock: socket.socket) -> None:
+        views = []
+        try:
+            for cap in self.captures:
+                head, tail = cap.parts()
+                views += [head, *tail]
+            send_outcome(sock, msgspec.structs.replace(self.outcome, **self.sizes()), views)
+        finally:
+            for v in views:
+                v.release()
+
+    def close(self) -> None:
+        for cap in self.captures:
+            cap.close()
+
+
+@dataclasses.dataclass(slots=True)
 class _Spare:
     pid: int
-    ctrl_w: int  # the request goes here
+    ctrl: int  # our end of its socketpair: the request's header and memfd go here
     out_r: int
     err_r: int
 
@@ -95,20 +133,20 @@ class Zygote:
 
     def _spawn(self) -> _Spare:
         assert self._cell is not None, "setup() first"
-        ctrl_r, ctrl_w = os.pipe()
+        ours, theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             pid = os.fork()
         except OSError:
-            for fd in (ctrl_r, ctrl_w, out_r, out_w, err_r, err_w):
+            for fd in (ours, theirs, out_r, out_w, err_r, err_w):
                 os.close(fd)
             raise
         if pid == 0:  # ---------------------------------------------------- the cell
-            cell_main(self._cell, ctrl_r, out_w, err_w)
-        for fd in (ctrl_r, out_w, err_w):
+            cell_main(self._cell, theirs, out_w, err_w)
+        for fd in (theirs, out_w, err_w):
             os.close(fd)
-        return _Spare(pid=pid, ctrl_w=ctrl_w, out_r=out_r, err_r=err_r)
+        return _Spare(pid=pid, ctrl=ours, out_r=out_r, err_r=err_r)
 
     def _live_spare(self) -> _Spare | None:
         """The cell forked ahead, unless it has died meanwhile (then it is dropped)."""
@@ -122,7 +160,7 @@ class Zygote:
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None:
-            for fd in (spare.ctrl_w, spare.out_r, spare.err_r):
+            for fd in (spare.ctrl, spare.out_r, spare.err_r):
                 os.close(fd)
             try:
                 os.kill(spare.pid, signal.SIGKILL)
@@ -130,30 +168,30 @@ class Zygote:
             except (ProcessLookupError, ChildProcessError):
                 pass
 
-    def execute(self, req: ExecRequest) -> ExecResult:
+    def execute(self, timeout: float, memory_mb: int, request_fd: int) -> CellRun:
+        """Run the request the worker wrote into the memfd ``request_fd`` (handed to the cell
+        unread, and closed here): the zygote never holds what a request carries."""
         self.finish()  # (the serving loop calls it right after each answer; this is for any other caller)
-        mem_bytes = req.memory_mb << 20
+        mem_bytes = memory_mb << 20
+        cpu_limit = math.ceil(timeout + self.limits.cpu_slack_s)
+        asked = {"timeout": timeout, "memory_mb": memory_mb, "cpu_limit": cpu_limit}
         try:
-            self.layers.set_memory_limit(mem_bytes)
-        except OSError as exc:
-            return ExecResult(id=req.id, status=Status.SANDBOX_ERROR, message=f"cgroup memory limit: {exc}")
-        if self.served % 64 == 0:  # it barely changes once warm
-            self._vm_size = _vm_size_bytes()
-        self.served += 1
-        cpu_limit = math.ceil(req.timeout + self.limits.cpu_slack_s)
-
-        spare, self._spare = self._live_spare() or self._spawn(), None
-        self._seq += 1
-        self._report[:] = _ZERO_PAGE  # all of it: no cell may leave anything for the next
-        start = time.monotonic()
-        try:  # the waiting cell reads its request, then drops privileges and runs it
-            _write_all(spare.ctrl_w, HEADER.pack(self._vm_size + mem_bytes, cpu_limit, self._seq) + encode(req))
-        except BrokenPipeError:
-            pass  # it died during its setup: its exit status says why
+            try:
+                self.layers.set_memory_limit(mem_bytes)
+            except OSError as exc:
+                return CellRun(CellOutcome(error=f"cgroup memory limit: {exc}", **asked))
+            if self.served % 64 == 0:  # it barely changes once warm
+                self._vm_size = _vm_size_bytes()
+            self.served += 1
+            spare, self._spare = self._live_spare() or self._spawn(), None
+            self._seq += 1
+            self._report[:] = _ZERO_PAGE  # all of it: no cell may leave anything for the next
+            start = time.monotonic()
+            _hand_over(spare.ctrl, HEADER.pack(self._vm_size + mem_bytes, cpu_limit, self._seq), request_fd)
         finally:
-            os.close(spare.ctrl_w)
+            os.close(request_fd)  # before the next fork: only the cell ever holds it
         self.prepare_next()  # fork the next cell now, on another core, while this one runs
-        seen = watch(spare.pid, timeout=req.timeout, start=start, out_r=spare.out_r, err_r=spare.err_r,
+        seen = watch(spare.pid, timeout=timeout, start=start, out_r=spare.out_r, err_r=spare.err_r,
                      limits=self.limits, reported=self._reported)
         if seen.reported is not None:  # answered now, reaped by finish() right after the answer
             drain(seen.streams)
@@ -169,17 +207,28 @@ class Zygote:
             self.layers.wipe_scratch()  # before anything else: what the cell left in tmpfs counts in our cgroup
             drain(seen.streams)
             exit_code, cpu_time = os.waitstatus_to_exitcode(exit_status), rusage.ru_utime + rusage.ru_stime
-        stdout, stdout_trunc = seen.captures[0].render()
-        stderr, stderr_trunc = seen.captures[1].render()
-        status, exit_code, message = classify(
-            verdict=seen.verdict, exit_code=exit_code, cpu_time=cpu_time, cpu_limit=cpu_limit,
-            oom=self.layers.new_oom_kill(), stderr=stderr, timeout=req.timeout, memory_mb=req.memory_mb,
-            output_cap=self.limits.output_hard_cap_bytes)
-        return ExecResult(
-            id=req.id, status=status, stdout=stdout, stderr=stderr, exit_code=exit_code,
-            wall_time=wall, cpu_time=cpu_time, stdout_truncated=stdout_trunc, stderr_truncated=stderr_trunc,
-            message=message,
-        )
+        outcome = CellOutcome(verdict=seen.verdict.value if seen.verdict is not None else "", exit_code=exit_code,
+                              wall_time=wall, cpu_time=cpu_time, oom=self.layers.new_oom_kill(), **asked)
+        return CellRun(outcome, seen.captures)
+
+    def run_request(self, req: ExecRequest) -> ExecResult:
+        """Run ``req`` in-process and build its result, for a caller that holds the request
+        anyway (tests, scripts); the serving loop uses ``execute`` and never sees one."""
+        fd = os.memfd_create("request", os.MFD_CLOEXEC)
+        _write_all(fd, encode(req))
+        run = self.execute(req.timeout, req.memory_mb, fd)
+        try:
+            streams = []
+            for cap in run.captures:
+                head, tail = cap.parts()
+                streams.append((bytes(head), b"".join(bytes(t) for t in tail)))
+                head.release()
+                for t in tail:
+                    t.release()
+            outcome = msgspec.structs.replace(run.outcome, **run.sizes())
+            return exec_result(req.id, outcome, streams[0], streams[1], self.limits.output_hard_cap_bytes)
+        finally:
+            run.close()
 
     def _reported(self) -> tuple[int, float] | None:
         seq, code, cpu = REPORT.unpack_from(self._report)
@@ -229,6 +278,17 @@ def _exited(pid: int) -> bool:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True
+
+
+def _hand_over(ctrl: int, header: bytes, request_fd: int) -> None:
+    """Send the waiting cell its header and the request's memfd, then hang up (its EOF)."""
+    sock = socket.socket(fileno=ctrl)
+    try:
+        socket.send_fds(sock, [header], [request_fd])
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # it died during its setup: its exit status says why
+    finally:
+        sock.close()
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,13 +1,14 @@
 """Per-request supervision: watch a running cell's output and clock, then name its outcome.
 
-``watch`` enforces the wall clock and the output cap while capturing head and tail of both
-streams; ``classify`` is the pure mapping from how the cell ended (the zygote's verdict,
+``watch`` (in the zygote) enforces the wall clock and the output cap while capturing head
+and tail of both streams outside the zygote's heap; ``classify`` (in the worker) is the pure mapping from how the cell ended (the zygote's verdict,
 exit status, CPU time, OOM kills) to a ``Status``, its exit code and message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import select
 import signal
@@ -15,40 +16,94 @@ import time
 from collections.abc import Callable
 
 from ..limits import SandboxLimits
-from ..protocol import Status
+from ..protocol import CellOutcome, ExecResult, Status
 from .cell import EXIT_MEMORY, EXIT_SETUP
 
 
-class Capture:
-    """Keeps the head and the tail of one stream, counts the rest."""
+_SCRATCH = 1 << 16  # one read's worth
 
-    __slots__ = ("head", "tail", "total", "head_max", "tail_max")
+
+class Capture:
+    """Keeps the head and the tail of one stream, counts the rest.
+
+    The bytes live in an anonymous private mapping of their own, never in the zygote's heap,
+    marked MADV_DONTFORK so no cell forked while it is filled inherits it, and unmapped by
+    ``close`` (after the zygote sent them): nothing a cell printed outlives its request in
+    the zygote. Reads go straight into the mapping (``os.readv``); the tail is a ring.
+    """
+
+    __slots__ = ("head_max", "tail_max", "total", "head_len", "tail_len", "tail_pos", "_map", "_view")
 
     def __init__(self, head_max: int, tail_max: int) -> None:
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
         self.head_max = head_max
         self.tail_max = tail_max
+        self.total = 0
+        self.head_len = 0
+        self.tail_len = 0
+        self.tail_pos = 0  # where the ring's next byte goes (and, once full, where it starts)
+        self._map = mmap.mmap(-1, _SCRATCH + head_max + tail_max, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map.madvise(mmap.MADV_DONTFORK)
+        self._view = memoryview(self._map)
+
+    def read_from(self, fd: int) -> int:
+        """One read from ``fd``; the bytes read (0: end of file)."""
+        n = os.readv(fd, [self._view[:_SCRATCH]])
+        self._take(n)
+        return n
 
     def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.head_max - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data and self.tail_max:
-            self.tail += data
-            if len(self.tail) > 2 * self.tail_max:
-                del self.tail[: -self.tail_max]
+        for i in range(0, len(data), _SCRATCH):
+            piece = data[i:i + _SCRATCH]
+            self._view[:len(piece)] = piece
+            self._take(len(piece))
+
+    def _take(self, n: int) -> None:
+        """Keep what the scratch holds (its first ``n`` bytes)."""
+        self.total += n
+        v, base = self._view, _SCRATCH
+        used = min(n, self.head_max - self.head_len)
+        if used:
+            v[base + self.head_len:base + self.head_len + used] = v[:used]
+            self.head_len += used
+        rest, ring, size = n - used, base + self.head_max, self.tail_max
+        if rest <= 0 or size == 0:
+            return
+        if rest >= size:
+            v[ring:ring + size] = v[n - size:n]
+            self.tail_pos, self.tail_len = 0, size
+            return
+        first = min(rest, size - self.tail_pos)
+        v[ring + self.tail_pos:ring + self.tail_pos + first] = v[used:used + first]
+        if rest > first:
+            v[ring:ring + rest - first] = v[used + first:n]
+        self.tail_pos = (self.tail_pos + rest) % size
+        self.tail_len = min(self.tail_len + rest, size)
+
+    def parts(self) -> tuple[memoryview, list[memoryview]]:
+        """(the head, the tail in order as one or two pieces): views into the mapping."""
+        base = _SCRATCH
+        head = self._view[base:base + self.head_len]
+        ring = base + self.head_max
+        if self.tail_len < self.tail_max:
+            return head, [self._view[ring:ring + self.tail_len]]
+        return head, [self._view[ring + self.tail_pos:ring + self.tail_max], self._view[ring:ring + self.tail_pos]]
 
     def render(self) -> tuple[str, bool]:
-        tail = bytes(self.tail[-self.tail_max :]) if self.tail_max else b""
-        dropped = self.total - len(self.head) - len(tail)
-        if dropped <= 0:
-            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace"), False
-        marker = f"\n[... {dropped} bytes truncated ...]\n".encode()
-        return (bytes(self.head) + marker + tail).decode("utf-8", "replace"), True
+        head, tail = self.parts()
+        return render_output(bytes(head), b"".join(bytes(t) for t in tail), self.total)
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+def render_output(head: bytes, tail: bytes, total: int) -> tuple[str, bool]:
+    """A stream's text from its head, tail and total length; whether something was cut out."""
+    dropped = total - len(head) - len(tail)
+    if dropped <= 0:
+        return (head + tail).decode("utf-8", "replace"), False
+    marker = f"\n[... {dropped} bytes truncated ...]\n".encode()
+    return (head + marker + tail).decode("utf-8", "replace"), True
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -90,12 +145,10 @@ def watch(pid: int, *, timeout: float, start: float, out_r: int, err_r: int, lim
                     out.exited_at = time.monotonic()
                     deadline = min(deadline, out.exited_at + 0.05)
                     continue
-                data = os.read(fd, 1 << 16)
-                if not data:
+                if not streams[fd].read_from(fd):
                     os.close(fd)
                     del streams[fd]
                     continue
-                streams[fd].add(data)
                 if captures[0].total + captures[1].total > limits.output_hard_cap_bytes:
                     out.verdict = Status.OUTPUT_LIMIT
                     break
@@ -116,12 +169,10 @@ def drain(streams: dict[int, Capture]) -> None:
         os.set_blocking(fd, False)
         while True:
             try:
-                data = os.read(fd, 1 << 16)
+                if not cap.read_from(fd):
+                    break
             except BlockingIOError:
                 break
-            if not data:
-                break
-            cap.add(data)
         os.close(fd)
     streams.clear()
 
@@ -145,3 +196,20 @@ def classify(*, verdict: Status | None, exit_code: int, cpu_time: float, cpu_lim
     if exit_code == 0:
         return Status.OK, 0, ""
     return Status.ERROR, exit_code, f"killed by signal {signal.Signals(-exit_code).name}" if exit_code < 0 else ""
+
+
+def exec_result(request_id: str, outcome: CellOutcome, stdout: tuple[bytes, bytes], stderr: tuple[bytes, bytes],
+                output_cap: int) -> ExecResult:
+    """The ``ExecResult`` of a cell that ended so (built by the worker, from what its zygote sent):
+    ``stdout`` and ``stderr`` are (head, tail) as the zygote kept them."""
+    if outcome.error:
+        return ExecResult(id=request_id, status=Status.SANDBOX_ERROR, message=outcome.error)
+    out, out_cut = render_output(*stdout, outcome.stdout[0])
+    err, err_cut = render_output(*stderr, outcome.stderr[0])
+    status, exit_code, message = classify(
+        verdict=Status(outcome.verdict) if outcome.verdict else None, exit_code=outcome.exit_code,
+        cpu_time=outcome.cpu_time, cpu_limit=outcome.cpu_limit, oom=outcome.oom, stderr=err,
+        timeout=outcome.timeout, memory_mb=outcome.memory_mb, output_cap=output_cap)
+    return ExecResult(id=request_id, status=status, stdout=out, stderr=err, exit_code=exit_code,
+                      wall_time=outcome.wall_time, cpu_time=outcome.cpu_time, stdout_truncated=out_cut,
+                      stderr_truncated=err_cut, message=message)

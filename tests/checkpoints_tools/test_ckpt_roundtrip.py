@@ -176,7 +176,7 @@ def test_export_copies_bytes_or_rearranges_a_tp2_checkpoint_bit_exactly(make_tin
 
 
 def test_raw_regions_are_the_stored_bytes(make_tiny_hf, convert_once):
-    from checkpoints_tools.dist_reader import RegionReader
+    from megatron_tir.policy.checkpoint.dist_reader import RegionReader
 
     ckpt = convert_once(make_tiny_hf("llama", tie_word_embeddings=True))
     with RegionReader(ckpt) as reader:

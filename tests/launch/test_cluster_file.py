@@ -13,7 +13,7 @@ def test_example_cluster_file_loads_with_its_layout(example_cluster):
     cluster = load_cluster(example_cluster)
     assert (cluster.trainer.nodes, cluster.sglang.nodes, cluster.sandbox.nodes) == (4, 2, 1)
     assert cluster.total_nodes == 7
-    assert cluster.node.gpus_per_node == 8 and cluster.servers_per_node == 1
+    assert cluster.node.gpus_per_node == 8 and cluster.servers_per_node == 2  # TP 4: divides 28 and 40 heads
     assert cluster.model_path("Qwen2.5-32B").endswith("/models/Qwen2.5-32B")
     assert cluster.model_path("unmapped") == "unmapped"
     check_layout(cluster, trainer_layout(recipe="qwen2.5-32b-simpletir"))  # TP 8 x PP 2 on 32 GPUs

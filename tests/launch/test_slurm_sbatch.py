@@ -96,8 +96,10 @@ def _options(argv: list[str], name: str) -> list[str]:
 
 
 @pytest.fixture
-def rendered(example_cluster, tmp_path):
-    return _render(example_cluster, tmp_path / "runs" / "q32")
+def rendered(cluster_file, tmp_path):
+    # the example file runs two TP-4 servers per node (for Qwen2.5-7B's 28 heads too); these tests read
+    # the one-TP-8-server-per-node layout, valid for the 32B recipe's 40 heads
+    return _render(cluster_file({"sglang.tp": 8}), tmp_path / "runs" / "q32")
 
 
 def test_one_allocation_of_all_groups(rendered):
@@ -214,7 +216,8 @@ def _started_run(tmp_path, example_cluster) -> Path:
     return run_dir
 
 
-def test_resume_continues_on_the_same_layout_with_new_budgets(example_cluster, tmp_path, capsys, shims):
+def test_resume_continues_on_the_same_layout_with_new_budgets(cluster_file, tmp_path, capsys, shims):
+    example_cluster = cluster_file({"sglang.tp": 8})
     run_dir = _started_run(tmp_path, example_cluster)
     code = main(["--resume", str(run_dir), "--set", "rollout.max_turns=10",
                  "--set", "rollout.max_response_tokens=24576", "--dryrun"])

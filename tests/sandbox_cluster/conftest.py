@@ -19,3 +19,10 @@ def cluster():
 def client(cluster):
     with SandboxClient(cluster.address) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def one_slot():
+    """One worker with one slot: every request runs on the same zygote."""
+    with LocalCluster(workers=1, heartbeat_interval_s=0.2, heartbeat_liveness=5) as c:
+        yield c

@@ -50,3 +50,49 @@ def test_capture_keeps_head_and_tail():
     small = Capture(head_max=4, tail_max=3)
     small.add(b"abcdef")
     assert small.render() == ("abcdef", False)
+
+
+def test_capture_matches_a_plain_head_and_tail_for_any_chunking():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        head_max, tail_max = rng.choice([0, 1, 4, 70_000]), rng.choice([0, 1, 3, 9000])
+        cap, written = Capture(head_max, tail_max), b""
+        for _ in range(rng.randint(0, 6)):
+            chunk = rng.randbytes(rng.choice([0, 1, 2, 10, 200_000]))
+            cap.add(chunk)
+            written += chunk
+        rest = written[head_max:]
+        expected_tail = rest[len(rest) - min(len(rest), tail_max):]
+        head, tail = cap.parts()
+        assert (bytes(head), b"".join(bytes(t) for t in tail), cap.total) == (
+            written[:head_max], expected_tail, len(written))
+        head.release()
+        for t in tail:
+            t.release()
+        cap.close()
+
+
+def test_a_capture_is_not_inherited_by_a_fork():
+    """The zygote forks the next cell while the current one's output is being captured: the
+    child must not get the buffer (MADV_DONTFORK), so touching its address kills it."""
+    import ctypes
+    import os
+
+    cap = Capture(64, 16)
+    cap.add(b"the current cell's output")
+    head, _ = cap.parts()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(head))
+    assert ctypes.string_at(address, 5) == b"the c"
+    pid = os.fork()
+    if pid == 0:
+        import faulthandler
+
+        faulthandler.disable()  # (the crash is the point)
+        ctypes.string_at(address, 5)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGSEGV
+    head.release()
+    cap.close()

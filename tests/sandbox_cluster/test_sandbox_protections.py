@@ -73,8 +73,8 @@ isolation.mount_private_tmpfs = no_tmpfs
 lease = UidLease.acquire()
 zygote = Zygote(uid=lease.uid, limits=SandboxLimits())
 zygote.setup()
-first = zygote.execute(P.ExecRequest(id="1", code="import os\nopen('left', 'w').write('x')\nprint(os.getcwd())"))
-second = zygote.execute(P.ExecRequest(id="2", code="import os\nprint(os.listdir('.'))"))
+first = zygote.run_request(P.ExecRequest(id="1", code="import os\nopen('left', 'w').write('x')\nprint(os.getcwd())"))
+second = zygote.run_request(P.ExecRequest(id="2", code="import os\nprint(os.listdir('.'))"))
 workdir = zygote.workdir
 zygote.close()
 print(json.dumps({"protections": {p.name: p.active for p in zygote.protections}, "first": first.stdout,
@@ -109,7 +109,7 @@ home, lib = sys.argv[1], sys.argv[2]
 isolation.unshare(isolation.CLONE_NEWNS)
 isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
 exposed, masked = rootfs.exposed_paths([lib])
-rootfs.build_root(exposed, masked, rootfs.literal_paths([lib]), uid=61998, gid=61998, scratch_mb=4)
+rootfs.build_root(exposed, masked, rootfs.literal_paths([lib]), uid=61998, gid=61998, scratch_mb=4, scratch_inodes=1024)
 print("exposed", lib in exposed and os.listdir(lib) == ["mod.py"])
 pid = os.fork()
 if pid == 0:

@@ -50,6 +50,7 @@ LATEST = "latest"  # RUN_DIR/checkpoints/latest names the newest complete step d
 STEP_PREFIX = "step_"  # RUN_DIR/checkpoints/step_N
 TRAINER_STATE = "trainer_state.json"  # in a step directory: it is complete
 POLICY = "policy"  # the policy learner's checkpoint in a step directory
+CRITIC = "critic"  # the critic's (trainer.ppo.advantage=gae), beside it
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,15 +18,21 @@ from megatron_tir.policy.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
-def load_model(model, ckpt: Path) -> None:
-    """Fill this rank's ``model`` (a GPTModel stage) from the dist checkpoint ``ckpt``."""
+def load_model(model, ckpt: Path, *, skip: tuple[str, ...] = ()) -> None:
+    """Fill this rank's ``model`` (a GPTModel stage) from the dist checkpoint ``ckpt``; parameters
+    named in ``skip`` (a critic's value head, when it starts from a policy) keep their values."""
     from megatron.core import dist_checkpointing
 
-    sharded = model.sharded_state_dict(prefix=MODEL_PREFIX)
+    sharded = {k: v for k, v in model.sharded_state_dict(prefix=MODEL_PREFIX).items()
+               if k.removeprefix(MODEL_PREFIX) not in skip}
     loaded = dist_checkpointing.load(sharded, str(ckpt))
     # a learner checkpoint also holds optimizer/scheduler state: take the model's entries only
     state = {k.removeprefix(MODEL_PREFIX): loaded[k] for k in sharded}
-    model.load_state_dict(state, strict=True)
+    missing, unexpected = model.load_state_dict(state, strict=not skip)
+    missing = [k for k in missing if k not in skip and not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}: the checkpoint does not fill the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
 
 
 def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files: Path | None,

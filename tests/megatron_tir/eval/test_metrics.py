@@ -9,6 +9,7 @@ from megatron_tir.eval.metrics import trajectory_metrics
 from megatron_tir.rollout import FinishStatus, Group, ToolCall, Trajectory, Turn
 from megatron_tir.rollout.engines.base import FinishReason
 from megatron_tir.tir import TurnKind
+from megatron_tir.rollout.tools.python import INFRA_FAILURES
 from sandbox_cluster.protocol import ExecResult, Status
 
 C, A, V, AB = TurnKind.CODE, TurnKind.ANSWER, TurnKind.VOID, TurnKind.ABORTED
@@ -31,7 +32,9 @@ def test_pass_at_k_unbiased_estimator_by_hand():
 def T(kind, tool_status=None, stderr=""):
     tool = None
     if tool_status is not None:
-        tool = ToolCall(result=ExecResult(id="", status=Status(tool_status), stderr=stderr))
+        status = Status(tool_status)
+        tool = ToolCall(result=ExecResult(id="", status=status, stderr=stderr),
+                        infra_error=status.value if status in INFRA_FAILURES else None)
     return Turn(index=0, kind=kind, reason="", finish_reason=FinishReason.STOP, start=0, model_tokens=1,
                 code="x" if kind is C else None, tool=tool)
 

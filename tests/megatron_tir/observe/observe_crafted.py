@@ -12,7 +12,8 @@ def code_turn(index: int, code: str, *, stdout: str = "", stderr: str = "", stat
               prose: str = "", answer: str | None = None) -> dict:
     return {"index": index, "kind": TurnKind.CODE, "text": f"{prose}```python\n{code}\n```", "code": code,
             "tool": ToolCall(result=ExecResult(id=f"t{index}", status=status, stdout=stdout, stderr=stderr),
-                             feedback=f"Code Execution Result: {stdout}{stderr}\n", answer=answer)}
+                             status=status.value, feedback=f"Code Execution Result: {stdout}{stderr}\n", answer=answer,
+                             infra_error=status.value if status in (Status.SANDBOX_ERROR, Status.OVERLOADED) else None)}
 
 
 def answer_turn(index: int, text: str, answer: str) -> dict:

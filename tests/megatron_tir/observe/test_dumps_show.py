@@ -114,3 +114,19 @@ def test_filters():
     assert select(recs, parse_filters("correct,eval")) == recs[1:]
     with pytest.raises(ValueError, match="unknown filter"):
         parse_filters("bogus")
+
+
+def test_show_reads_an_eval_out_file(tmp_path, capsys):
+    import json
+
+    _, _, surplus = _groups()
+    rec = step_records(0, "eval", [surplus], CharTokenizer(), include_ids=False)[0]
+    for key in ("step", "split"):  # what `eval --out` writes: the record without the dump's fields
+        rec.pop(key)
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    assert main(["show", str(path), "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== group 2 sample 0 · status completed · reward 1.0") and f"{TRAINED}print(6*7)" in out
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert main(["show", str(tmp_path / "bad.jsonl")]) == 2

@@ -126,3 +126,39 @@ def logprobs_run(rank: int, world: int, model: str, tp: int, pp: int, ids: str, 
     lp = learner.logprobs(tokens, mask)
     if rank == 0:
         torch.save(lp, out)
+
+
+def value_batch(seed: int) -> TrainBatch:
+    """``make_batch(seed)`` with a critic's extras: returns (a constant per row) and old values."""
+    batch = make_batch(seed)
+    returns = batch.extras["advantages"][:, None].expand_as(batch.loss_mask_BT) * batch.loss_mask_BT
+    return TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
+                      loss_mask_BT=batch.loss_mask_BT,
+                      extras={"returns_BT": returns.contiguous(), "old_values_BT": torch.zeros_like(returns)})
+
+
+def critic_run(rank: int, world: int, tp: int, pp: int, out: str) -> None:
+    """A tiny-qwen2 critic at ``tp`` x ``pp``: values of batch 1, two value-loss steps, values after
+    and the value head's weight. Rank 0 saves them to ``out``."""
+    from megatron.core import parallel_state
+
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.losses import ValueLoss
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(tp, pp)
+    critic = Learner(LearnerConfig(model="tiny-qwen2", head="value", tp=tp, pp=pp, lr=1e-3,
+                                   max_tokens_per_microbatch=24))
+    probe = make_batch(1)
+    before = critic.values(probe.tokens_BT, probe.attention_mask_BT)
+    steps = [critic.train_step(value_batch(s), ValueLoss(clip=None)) for s in (2, 3)]
+    after = critic.values(probe.tokens_BT, probe.attention_mask_BT)
+    head = None
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        head = critic.module.output_layer.weight.detach().clone()
+    heads = [None] * world
+    torch.distributed.all_gather_object(heads, head)
+    if rank == 0:
+        torch.save({"before": before, "after": after, "head": next(h for h in heads if h is not None),
+                    "steps": [(s.loss, s.grad_norm, s.skipped) for s in steps]}, out)

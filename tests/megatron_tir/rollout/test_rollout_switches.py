@@ -82,9 +82,18 @@ def test_text_only_is_one_turn_without_code_stops_or_execution(smollm2_tokenizer
     assert t.turns[0].text == text + tok.eos_token
 
 
-def test_text_only_without_answer_is_void(smollm2_tokenizer):
-    _, _, t = run(smollm2_tokenizer, None, lambda ctx: "```python\nprint(1)\n```", tools=False)
-    assert t.status is FinishStatus.VOID and "text-only" in t.void_reason
+def test_text_only_without_answer_is_a_wrong_answer_in_the_loss_under_every_mode(smollm2_tokenizer, verifier):
+    """With no tool to call there is no void turn: the trajectory is completed with reward 0 and
+    every Table-2 mode trains on it (before: status void, dropped from the loss by simpletir)."""
+    from megatron_tir.rl import MODES, row_weights
+
+    _, groups, t = run(smollm2_tokenizer, None, lambda ctx: "```python\nprint(1)\n```", verifier, tools=False)
+    assert t.status is FinishStatus.COMPLETED and not t.void and t.reward == 0.0
+    rb = collate(groups, pad_id=0)
+    for name, spec in MODES.items():
+        _, loss_B = row_weights(void_B=rb.void_B, infra_B=rb.void_B & False, truncated_B=rb.void_B & False,
+                                drop_void=spec.drop_void, overlong="mask")
+        assert loss_B.tolist() == [True], name
 
 
 def test_text_only_prompt_has_no_tool_instruction(smollm2_tokenizer):
@@ -210,3 +219,15 @@ def test_simpletir_text_only_prompt_is_the_bare_problem(smollm2_tokenizer, sandb
 def test_default_stop_strings_are_used_with_tools(smollm2_tokenizer, sandbox):
     engine, _, _ = run(smollm2_tokenizer, sandbox, lambda ctx: "\\boxed{42}")
     assert engine.calls[0]["stop"] == ("```",)
+
+
+def test_turn_token_cap_bounds_each_request(smollm2_tokenizer, sandbox):
+    """SimpleTIR's release caps each turn (8000) below the whole response (16000)."""
+    tok = smollm2_tokenizer
+    engine, _, t = run(tok, sandbox, by_turn("Code Execution Result", "```python\nprint(6 * 7)\n```",
+                                             "It is 42, so the answer is very long indeed " * 5),
+                       max_turn_tokens=12, max_response_tokens=512, max_turns=3)
+    assert engine.calls and all(c["max_new_tokens"] <= 12 for c in engine.calls if "max_new_tokens" in c)
+    assert t.turns[-1].model_tokens == 12 and t.turns[-1].kind is TurnKind.VOID  # cut by its cap mid-prose
+    with pytest.raises(ValueError, match="max_turn_tokens"):
+        RolloutConfig(max_turn_tokens=0)

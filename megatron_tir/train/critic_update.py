@@ -1,0 +1,113 @@
+"""PPO with a masked critic (ZeroTIR): GAE advantages from the critic's values, the value-loss
+step, KL in the reward, and the critic's config.
+
+With ``trainer.ppo.advantage = "gae"`` the trainer builds a critic (``LearnerConfig.head =
+"value"``: the policy's GPTModel with a one-output head, same TP/PP, its backbone from the
+policy's weights or ``critic.model``) with its own optimizer and lr. Per step:
+
+1. ``old values`` of the update's rows (critic forward);
+2. per-token rewards: the outcome reward on each row's last model token, minus
+   ``kl_reward_coef`` * k1(behaviour vs reference) on model tokens (KL in the reward, as
+   OpenRLHF / ZeroTIR; the KL *loss* is ``trainer.loss.kl_coef``, a separate switch);
+3. GAE over **model tokens only** (``megatron_tir.rl.critic.gae_BT``: feedback tokens are not
+   steps and get neither advantage nor value loss -- value masking), then the advantages are
+   whitened over the batch's model tokens (verl's ``masked_whiten``);
+4. per mini-batch: one critic step on the clipped value loss, with the same row roles as the
+   policy loss (``megatron_tir.rl.rows``: the update batch already holds only the rows and
+   tokens the mode trains), then the policy step -- except in the first ``warmup_steps`` steps
+   (critic-only warm-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.rl.critic import explained_variance, gae_BT, token_rewards_BT
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """The critic of ``trainer.ppo.advantage=gae`` (ignored otherwise)."""
+    model: str | None = None  # None: the policy's weights (its HF dir or checkpoint)
+    lr: float = 1e-5
+    warmup_steps: int = 0  # first steps train the critic only
+    value_clip: float | None = 0.2  # None: unclipped value loss
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_reward_coef: float = 0.0  # KL in the reward (k1 against the frozen reference); 0: off
+    whiten: bool = True  # whiten the GAE advantages over the batch's model tokens
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 (or null), got {self.value_clip}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.kl_reward_coef < 0:
+            raise ValueError(f"kl_reward_coef must be >= 0, got {self.kl_reward_coef}")
+
+
+def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, local_rows: bool = False) -> torch.Tensor:
+    """Whitened over the masked entries of the batch (``local_rows``: of every data-parallel replica's rows)."""
+    m = mask_BT.float()
+    sums = torch.stack([m.sum(), (x_BT * m).sum(), (x_BT * x_BT * m).sum()]).double()
+    if local_rows and torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        from megatron_tir.policy.parallel import collective_device
+
+        if parallel_state.get_data_parallel_world_size() > 1:
+            sums = sums.to(collective_device())
+            torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            sums = sums.cpu()
+    n = sums[0].clamp(min=1)
+    mean = sums[1] / n
+    var = (sums[2] / n - mean * mean).clamp(min=0)
+    return ((x_BT - mean) * torch.rsqrt(var + eps) * m).float()
+
+
+def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, critic, cfg: CriticConfig, *,
+                   model_mask_BT: torch.Tensor, behaviour_BT: torch.Tensor | None = None,
+                   ref_BT: torch.Tensor | None = None, local_rows: bool = False) -> tuple[TrainBatch, dict[str, float]]:
+    """``batch`` (the update's rows) with GAE ``advantages_BT``, ``returns_BT`` and
+    ``old_values_BT`` in its extras, and the metrics. ``model_mask_BT``: the rows' model-token
+    mask (before any token filter: the MDP's steps); ``rewards_B`` the rows' outcome rewards."""
+    values_BT = critic.values(batch.tokens_BT, batch.attention_mask_BT, local_rows=local_rows) * model_mask_BT
+    if cfg.kl_reward_coef > 0 and (behaviour_BT is None or ref_BT is None):
+        raise ValueError("critic.kl_reward_coef > 0 needs the behaviour and the reference log-probs")
+    rewards_BT = token_rewards_BT(rewards_B, model_mask_BT, logprobs_BT=behaviour_BT, ref_logprobs_BT=ref_BT,
+                                  kl_coef=cfg.kl_reward_coef)
+    adv_BT, returns_BT = gae_BT(rewards_BT, values_BT, model_mask_BT, gamma=cfg.gamma, lam=cfg.lam)
+    if cfg.whiten:
+        adv_BT = _whiten(adv_BT, batch.loss_mask_BT, local_rows=local_rows)
+    extras = dict(batch.extras, advantages_BT=adv_BT * batch.loss_mask_BT, returns_BT=returns_BT,
+                  old_values_BT=values_BT)
+    on = model_mask_BT > 0
+    correct = (rewards_B > 0)[:, None].expand_as(on) & on
+    metrics = {
+        "critic/explained_variance": float(explained_variance(values_BT, returns_BT, model_mask_BT)),
+        "critic/value_mean": float(values_BT[on].mean()) if on.any() else 0.0,
+        "critic/value_mean_correct": float(values_BT[correct].mean()) if correct.any() else float("nan"),
+        "critic/value_mean_wrong": float(values_BT[on & ~correct].mean()) if (on & ~correct).any() else float("nan"),
+        "critic/return_mean": float(returns_BT[on].mean()) if on.any() else 0.0,
+        "critic/kl_in_reward": float(cfg.kl_reward_coef > 0),
+    }
+    if cfg.kl_reward_coef > 0:
+        metrics["critic/kl_k1_mean"] = float(((behaviour_BT - ref_BT) * model_mask_BT).sum() / on.sum().clamp(min=1))
+    return TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
+                      loss_mask_BT=batch.loss_mask_BT, extras=extras), metrics
+
+
+def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, local_rows: bool = False) -> dict[str, float]:
+    """One optimizer step of the critic on the mini-batch's value loss (its model tokens only)."""
+    from megatron_tir.policy.losses import ValueLoss
+
+    r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation, local_rows=local_rows)
+    return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
+            "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped)}
