@@ -91,7 +91,9 @@ Not protected:
   the zygote, so its code can forge that report: it can only misstate its own result (the
   whole page is cleared before each request: nothing written there reaches the next cell);
 - cells of one slot run one after another under the same uid; nothing survives a
-  request, but a cell can observe that the previous one ran (timing, cgroup counters);
+  request, but a cell can observe that the previous one ran (timing, cgroup counters), and
+  the numbers its zygote handled for it (its limits, exit code and times) may be left as
+  freed objects in the memory a later cell inherits;
 - what ``/proc`` and the kernel still tell of the host: the cell's own mount table
   (``/proc/self/mountinfo``: the exposed host paths, which it sees anyway, with their
   device numbers, file system types and mount options), the kernel version, the CPU model

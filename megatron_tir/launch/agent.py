@@ -14,6 +14,12 @@ machine one nemo-run task). The agent
   stopped; on a failure the last lines of its output are printed again under a header, so
   the end of the group's log says why the run stopped.
 
+SIGUSR1 (the batch script forwards Slurm's pre-timeout signal to the trainer's ``srun``): the
+agent passes it to the main command's children (torchrun's workers: the trainer ranks, which
+end the step in progress, write a run checkpoint and exit 0, so torchrun and the job end
+cleanly); the main command itself starts with SIGUSR1 ignored (torchrun would die of it), and
+its children inherit that until the trainer installs its own handler.
+
 Without a main command the agent runs its services until it is stopped (SIGTERM from
 ``srun`` when the job ends). Each service's output goes to ``<log-dir>/<name>.log``
 (appended across restarts, each start marked); the main command's output goes to the
@@ -105,6 +111,22 @@ class Service:
             self.process.wait()
 
 
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return sorted(out)
+
+
 def _kill_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
@@ -153,6 +175,21 @@ class Agent:
     poll_s: float = 0.5
     _stop: threading.Event = field(default_factory=threading.Event)
     _signal: int = 0
+    _main: subprocess.Popen | None = None
+
+    def forward_to_workers(self, signum: int, _frame=None) -> None:
+        """Pass ``signum`` to the main command's children (torchrun's workers)."""
+        main = self._main
+        if main is None or main.poll() is not None:
+            log.info("%s with no main command running: ignored", signal.Signals(signum).name)
+            return
+        children = _children(main.pid)
+        log.warning("%s: passed to the main command's workers %s", signal.Signals(signum).name, children)
+        for pid in children:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
     def request_stop(self, signum: int, _frame=None) -> None:
         self._signal = signum
@@ -207,8 +244,14 @@ class Agent:
     def _run_main(self, argv: list[str]) -> int:
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
         log.info("main: %s", shlex.join(argv))
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True, text=True, errors="replace", bufsize=1)
+        handler = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited through exec: torchrun ignores it
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace",
+                                       bufsize=1)
+        finally:
+            signal.signal(signal.SIGUSR1, handler)
+        self._main = process
         pump = threading.Thread(target=_pump, args=(process.stdout, self.log_dir / "main.log", tail), daemon=True)
         pump.start()
         while process.poll() is None:
@@ -288,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   wait_timeout_s=args.wait_timeout, tail_lines=args.tail, log_dir=log_dir)
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
+    signal.signal(signal.SIGUSR1, agent.forward_to_workers)
     return agent.run(main_cmd or None)
 
 

@@ -121,6 +121,8 @@ class Cluster:
     models: dict[str, str] = field(default_factory=dict)  # recipe model name -> path on the cluster
     qos: str | None = None
     master_port: int = 29500  # torchrun rendezvous port on the trainer's first node
+    signal_before_end_s: int = 900  # Slurm sends SIGUSR1 this long before the time limit: the trainer ends
+    # its step, writes a run checkpoint and exits 0 (a step longer than this is lost; see trainer.checkpoint.minutes)
 
     def __post_init__(self) -> None:
         for key in ("account", "partition", "time", "job_dir", "run_root"):
@@ -128,6 +130,8 @@ class Cluster:
                 raise ValueError(f"{key} is empty")
         if not self.partitions:
             raise ValueError("partitions is empty")
+        if not 0 < self.signal_before_end_s <= 65535:  # sbatch --signal's @N limit
+            raise ValueError(f"signal_before_end_s must be in 1..65535, got {self.signal_before_end_s}")
         if self.container_image is None:
             for group in ("trainer", "sglang", "sandbox"):
                 if getattr(self, group).container_image:

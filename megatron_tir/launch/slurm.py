@@ -91,6 +91,10 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
         f'export TIR_SANDBOX_WORKER_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port + 1}"',
         f"export TIR_RUN_DIR={shlex.quote(spec.run_dir)}",
         'mkdir -p "$TIR_RUN_DIR/logs"',
+        f"# Slurm's pre-timeout signal (--signal=B:USR1@{cluster.signal_before_end_s}) reaches this shell; srun passes",
+        "# it on to the trainer's agents (the last group), whose trainer ranks checkpoint and exit 0",
+        """trap 'echo "tir-launch: SIGUSR1 (time limit near): passed to the trainer"; """
+        """kill -USR1 "${pids[${#pids[@]}-1]}"' USR1""",
         'echo "tir-launch: trainer $TIR_TRAINER_NODES | sglang ${TIR_SGLANG_NODES:-colocated} | '
         'sandbox ${TIR_SANDBOX_NODES:-beside the trainer}"',
         'echo "tir-launch: engine $TIR_ENGINE_URLS | sandbox $TIR_SANDBOX_ADDRESS | run dir $TIR_RUN_DIR"',
@@ -226,6 +230,7 @@ def _executor(cluster: Cluster, spec: RunSpec, group: str):
         srun_args.append("--gres=gpu:0")  # no GPUs for this step ("--gres=none" is refused when the job asked --gpus-per-node)
     return run.SlurmExecutor(
         account=cluster.account, partition=cluster.partition_of("trainer"), qos=cluster.qos, time=cluster.time,
+        signal=f"B:USR1@{cluster.signal_before_end_s}",
         nodes=cluster.total_nodes, ntasks_per_node=1, gpus_per_node=cluster.node.gpus_per_node, exclusive=True,
         mem="0", container_image=cluster.image_of(group), container_mounts=_mounts(cluster, spec, group),
         env_vars={k: shlex.quote(v) for k, v in cluster.env.items()}, srun_args=srun_args,

@@ -362,11 +362,14 @@ class Learner:
             lr = self.lr
             ok, grad_norm, _ = self.optimizer.step()
             assert ok, "optimizer reported an overflow after the finiteness check"
+        weights_finite = self.weights_finite()
+        if not weights_finite:
+            log.error("non-finite weights after optimizer step %d (grad norm %.4g)", self.step, grad_norm)
         t_opt = time.perf_counter()
         loss = totals.pop("loss", 0.0)
         return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=skipped, lr=lr, metrics=totals,
                           timings={"forward_backward": t_fb - t0, "optimizer": t_opt - t_fb, "total": t_opt - t0},
-                          padding_share=padding_share(micro_batches))
+                          padding_share=padding_share(micro_batches), weights_finite=weights_finite)
 
     @staticmethod
     def _sum_reports(reports: list[dict]) -> dict[str, float]:
@@ -394,6 +397,19 @@ class Learner:
             if not torch.isfinite(buffer.grad_data.sum()):
                 bad.fill_(1.0)
                 break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
+
+    def weights_finite(self) -> bool:
+        """True when every weight of every rank is finite. Collective: on the weights' device, one sum per
+        contiguous parameter buffer (distributed optimizer) or per parameter, one flag all-reduced; one
+        host read per call (once per optimizer step)."""
+        device = next(self._model.parameters()).device
+        ddp_buffers = getattr(self._model, "buffers", None)  # DDP's param buffers (a frozen learner has none)
+        buffers = [b.param_data for b in ddp_buffers] if isinstance(ddp_buffers, list) else []
+        tensors = buffers if buffers and all(t is not None for t in buffers) else list(self._model.parameters())
+        sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])  # non-finite iff an element is (or overflow)
+        bad = (~torch.isfinite(sums)).any().float().to(device)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 

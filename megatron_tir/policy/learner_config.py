@@ -222,3 +222,4 @@ class StepResult:
     metrics: dict[str, float]
     timings: dict[str, float]
     padding_share: float
+    weights_finite: bool = True  # every weight of every rank finite after the step (one reduction)

@@ -71,6 +71,8 @@ class SandboxConfig:
             raise ValueError(f"sandbox address must be tcp://, ipc:// or inproc://, got {self.address!r}")
         if not self.probe_timeout_s > 0:
             raise ValueError(f"sandbox probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        if self.address is None and self.workers < 1:
+            raise ValueError(f"sandbox workers must be >= 1 for the local cluster, got {self.workers}")
 
 
 def resolve_model_dir(cfg: EngineConfig) -> Path:

@@ -13,12 +13,17 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
+CHECKPOINTS_DIR = "checkpoints"
+# what a run writes into its directory (a directory holding only these and no checkpoint can be reused)
+RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "rollouts", "wandb",
+               "mlruns", "wandb_run_id", "mlflow_run_id")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -36,15 +41,16 @@ def _rank() -> int:
 
 def prepare(args: argparse.Namespace):
     """(config, run dir, trainer state, overrides to record) from the arguments; ValueError on bad input."""
-    from megatron_tir.train.checkpoint import STATE, RunCheckpoints, TrainerState
+    from megatron_tir.train import checkpoint_integrity as integrity
+    from megatron_tir.train.checkpoint import STATE, TrainerState
     from megatron_tir.train.config import apply_overrides, from_dict, load_recipe, to_dict
+    from megatron_tir.train.preflight import check_start
 
     if args.recipe is not None:
         if not args.out:
             raise ValueError("--recipe needs --out RUN_DIR")
         run_dir = Path(args.out)
-        if _rank() == 0 and run_dir.exists() and any(p.name not in LAUNCHER_ENTRIES for p in run_dir.iterdir()):
-            raise ValueError(f"--out {run_dir} exists and is not empty (continue it with --resume {run_dir})")
+        _check_out_dir(run_dir)
         cfg = apply_overrides(load_recipe(args.recipe), args.overrides)
         state = TrainerState()
     else:
@@ -54,16 +60,18 @@ def prepare(args: argparse.Namespace):
         config_path = run_dir / CONFIG_FILE
         if not config_path.is_file():
             raise ValueError(f"--resume {run_dir}: no {CONFIG_FILE} (not a run directory)")
-        latest = RunCheckpoints(run_dir, keep_last=1).latest()
-        if latest is None:
-            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet")
-        state = TrainerState(**json.loads((latest / STATE).read_text()))
         try:
             cfg = from_dict(json.loads(config_path.read_text()))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{config_path}: {exc}") from None
         cfg = apply_overrides(cfg, args.overrides)
-    check_inputs(cfg)
+        if not integrity.candidates(run_dir / CHECKPOINTS_DIR):
+            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet (a directory without one is "
+                             f"reused by --recipe NAME --out {run_dir}, which starts it fresh)")
+        # sizes and the trainer state on every rank (cheap); every byte is verified on load (rank 0)
+        latest = integrity.pick(run_dir / CHECKPOINTS_DIR, strict=cfg.trainer.checkpoint.strict_resume, deep=False)
+        state = TrainerState(**json.loads((latest / STATE).read_text()))
+    check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
     if cfg.trainer.steps <= state.step:
         raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
     recorded = [{"step": state.step + 1, "key": k, "value": v}
@@ -73,20 +81,31 @@ def prepare(args: argparse.Namespace):
     return cfg, run_dir, state
 
 
-def check_inputs(cfg) -> None:
-    """The user's model and data exist and read (ValueError naming them) before anything slow starts."""
-    from megatron_tir.model_sources import resolve_model
-    from megatron_tir.train.data import PromptStream, held_out_problems
+def _check_out_dir(run_dir: Path) -> None:
+    """``--out`` is new, or a run directory without a checkpoint (a failed or early-stopped start: it is
+    reused and started fresh), or holds only what the launcher put there; ValueError otherwise."""
+    from megatron_tir.train import checkpoint_integrity as integrity
 
-    resolve_model(cfg.model)
-    PromptStream(cfg.data)
-    held_out_problems(cfg.data)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} exists and is not a directory")
+    if integrity.candidates(run_dir / CHECKPOINTS_DIR):
+        raise ValueError(f"--out {run_dir} holds a run with checkpoints (continue it with --resume {run_dir})")
+    entries = {p.name for p in run_dir.iterdir()}
+    foreign = sorted(entries - set(LAUNCHER_ENTRIES) - set(RUN_ENTRIES))
+    if foreign:
+        raise ValueError(f"--out {run_dir} exists and is not a run directory (it holds {', '.join(foreign[:3])})")
+    if entries - set(LAUNCHER_ENTRIES):
+        log.warning("--out %s: reusing a run directory that holds no checkpoint; the run starts fresh", run_dir)
 
 
 def run_train_command(args: argparse.Namespace) -> int:
     """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2. Once the
     run has started, an engine or sandbox failure or a stop (``InfrastructureError``) is one line,
-    exit 1; anything else is exit 1 with its traceback in the log (not "bad input")."""
+    exit 1; non-finite training likewise; anything else is exit 1 with its traceback in the log
+    (not "bad input")."""
+    from megatron_tir.finite import NonFiniteTraining
     from megatron_tir.rollout.factory import InfrastructureError
     from megatron_tir.train.run import run_training
 
@@ -95,6 +114,9 @@ def run_train_command(args: argparse.Namespace) -> int:
         state = run_training(cfg, run_dir, state, resume=args.resume is not None)
     except InfrastructureError:
         raise
+    except NonFiniteTraining as exc:
+        print(f"megatron-tir: error: {exc}", file=sys.stderr)
+        return 1
     except Exception:  # noqa: BLE001 - a defect or an environment problem mid-run, not the user's input
         log.exception("training failed at rank %d", _rank())
         return 1

@@ -133,6 +133,7 @@ class CheckpointConfig:
     every: int = 0  # steps between run checkpoints (0: only at the end)
     minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
     keep_last: int = 2
+    strict_resume: bool = False  # --resume refuses a damaged newest checkpoint instead of falling back
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -169,6 +170,9 @@ class TrainerConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
+    # consecutive steps with a skipped (non-finite gradients) optimizer step or non-finite weights
+    # after one before the run stops (a non-finite model is never saved)
+    stop_after_nonfinite: int = 3
     seed: int = 0
     progress: bool = True
 
@@ -179,6 +183,8 @@ class TrainerConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.stop_after_nonfinite < 1:
+            raise ValueError(f"stop_after_nonfinite must be >= 1, got {self.stop_after_nonfinite}")
         if self.ppo.mini_batches > self.sampling.prompts_per_step:
             raise ValueError(f"ppo.mini_batches ({self.ppo.mini_batches}) must be <= sampling.prompts_per_step "
                              f"({self.sampling.prompts_per_step})")

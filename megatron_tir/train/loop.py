@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.finite import NonFiniteTraining
 from megatron_tir.observe.probe import TurnProbe
 from megatron_tir.observe.run_log import StepObserver
 from megatron_tir.observe.trackers import open_trackers
@@ -34,6 +35,7 @@ from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import held_out_problems
 from megatron_tir.train.metrics import open_metrics
+from megatron_tir.train.preempt import StopSignals, agreed
 from megatron_tir.train.rollout_source import RolloutSource, StepRollouts, TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -47,14 +49,18 @@ def _timed(timings: dict, name: str):
 
 
 def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, source: RolloutSource,
-          reference=None, critic=None) -> TrainerState:
+          reference=None, critic=None, stop: StopSignals | None = None) -> TrainerState:
     """Run steps ``state.step + 1 .. cfg.trainer.steps``; ``reference``: a frozen learner of the
     initial policy (KL term), else None; ``critic`` the value learner of ``trainer.ppo.advantage=gae``
-    (``megatron_tir.train.critic_update``), else None."""
+    (``megatron_tir.train.critic_update``), else None; ``stop`` the run's ``StopSignals`` (a signal
+    ends the run after the step in progress, with a checkpoint)."""
     tc = cfg.trainer
     ckpts = RunCheckpoints(run_dir, keep_last=tc.checkpoint.keep_last)
-    sink = open_metrics(run_dir, truncate_to=state.metrics_offset if state.step else None,
-                        trackers=lambda: open_trackers(tc.log, run_dir, state.config))
+    # a resume drops what steps after its checkpoint wrote (metrics lines, TensorBoard events); a fresh
+    # start in a reused directory (no checkpoint) drops everything an earlier attempt wrote
+    sink = open_metrics(run_dir, truncate_to=state.metrics_offset,
+                        trackers=lambda: open_trackers(tc.log, run_dir, state.config,
+                                                       purge_step=state.step + 1 if state.step else 0))
     observer = StepObserver(cfg, run_dir, tokenizer=source.tokenizer, sink=sink) if source.rank == 0 else _NoObserver()
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
@@ -62,7 +68,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
                  | {"time/unix": time.time()})
     steps_without_update = 0
-    pending_ckpt_s = None
+    nonfinite = 0  # consecutive steps with non-finite gradients or weights
+    pending_ckpt_s, last_save = None, time.monotonic()
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
@@ -74,6 +81,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference,
                                  critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
+            nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
             with _timed(timings, "sync"):
                 source.sync_weights(learner)
         updated = metrics.get("train/optimizer_steps", 0) > metrics.get("train/skipped_steps", 0) or (
@@ -94,11 +102,16 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
                                   f"is learning nothing")
         # 4. the checkpoint covers this step's metrics line; its save time is logged with the next step.
         pending_ckpt_s = None
-        if step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
+        stopping, time_due = agreed(stop is not None and stop.received is not None,
+                                    tc.checkpoint.minutes > 0 and time.monotonic() - last_save >= 60 * tc.checkpoint.minutes)
+        if stopping or time_due or step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             state.metrics_offset = sink.offset
             ckpts.save({POLICY: learner} | ({CRITIC: critic} if critic is not None else {}), state)
-            pending_ckpt_s = time.perf_counter() - t0
+            pending_ckpt_s, last_save = time.perf_counter() - t0, time.monotonic()
+        if stopping:
+            log.warning("stopped after step %d on a signal; the run continues from its checkpoint (--resume)", step)
+            break
     observer.close()
     sink.close()
     return state
@@ -152,6 +165,7 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         "filter/low_prob_tokens_masked": _replica_sum(float(update.low_prob_masked)),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
     } | critic_metrics
     if critic_steps:
@@ -164,6 +178,20 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
         metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return metrics
+
+
+def _check_finite_steps(step: int, metrics: dict, before: int, limit: int) -> int:
+    """Consecutive non-finite steps so far (every rank sees the same all-reduced flags);
+    NonFiniteTraining once ``limit`` are reached."""
+    skipped, bad_weights = metrics.get("train/skipped_steps", 0.0), metrics.get("train/nonfinite_weights", 0.0)
+    if not (skipped or bad_weights):
+        return 0
+    count = before + 1
+    if count >= limit:
+        cause = "non-finite weights" if bad_weights else "non-finite gradients (every such optimizer step skipped)"
+        raise NonFiniteTraining(f"stopped at step {step}: {count} consecutive steps with {cause} "
+                                f"(trainer.stop_after_nonfinite={limit}); the checkpoints hold only finite weights")
+    return count
 
 
 class _NoObserver:

@@ -13,6 +13,7 @@ from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
+from megatron_tir.train.preempt import StopSignals
 from megatron_tir.train.rollout_source import RolloutSource
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,6 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     torch.manual_seed(cfg.trainer.seed)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed)
     try:
-        if torch.distributed.get_rank() == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
         reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0 \
@@ -42,19 +40,29 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
                                                  model=cfg.critic.model or cfg.learner.model))
         if resume:
             learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
-            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(learners)
+            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
+                learners, strict=cfg.trainer.checkpoint.strict_resume)
+            if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
+                state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
+                                                      for o in state.overrides[len(loaded.overrides):]]
             state.step, state.data_position = loaded.step, loaded.data_position
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
 
         def start_service() -> RolloutService:  # rank 0 only
-            return RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
-                                  model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools)
+            service = RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
+                                     model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools)
+            # start-up succeeded: only now does the run directory get its files
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
+            return service
 
         with RolloutSource(cfg, service_factory=start_service, position=state.data_position,
                            schedule_switched_at=state.schedule_switched_at) as source:
             if resume:  # the engines start from the base weights: give them the policy's
                 source.sync_weights(learner)
-            return train(cfg, run_dir, state, learner=learner, source=source, reference=reference, critic=critic)
+            with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
+                return train(cfg, run_dir, state, learner=learner, source=source, reference=reference, critic=critic,
+                             stop=stop)
     finally:
         destroy_parallel()

@@ -19,15 +19,17 @@ import torch
 
 from megatron_tir.policy.checkpoint.layout import (HF_FILES_DIR, MODEL_PREFIX, CheckpointMeta, copy_hf_files,
                                                    read_meta, resolve_checkpoint, write_meta)
-from megatron_tir.policy.checkpoint.megatron_io import check_same_model
+from megatron_tir.policy.checkpoint.megatron_io import check_same_model, load_model_state, without_absent_extra_state
 
 log = logging.getLogger(__name__)
 
 SCHEDULER_KEY = "scheduler"
 
 
-def _sharded_state(learner, *, is_loading: bool) -> dict:
+def _sharded_state(learner, *, is_loading: bool, ckpt: Path | None = None) -> dict:
     model_sd = learner.module.sharded_state_dict(prefix=MODEL_PREFIX)
+    if ckpt is not None:  # loading: TE's _extra_state only where the checkpoint has it
+        model_sd = without_absent_extra_state(model_sd, ckpt)
     if learner.optimizer is None:
         return {"model": model_sd}
     optimizer_sd = learner.optimizer.sharded_state_dict(
@@ -73,9 +75,9 @@ def load_learner(learner, directory: str | Path) -> None:
             str(directory)):
         raise ValueError(f"{directory} has no optimizer/scheduler state (a converted model, not a learner "
                          f"checkpoint: use it as LearnerConfig.model instead)")
-    loaded = dist_checkpointing.load(_sharded_state(learner, is_loading=True), str(directory))
+    loaded = dist_checkpointing.load(_sharded_state(learner, is_loading=True, ckpt=directory), str(directory))
     model_state = {k.removeprefix(MODEL_PREFIX): v for k, v in loaded["model"].items()}
-    learner.module.load_state_dict(model_state, strict=True)
+    load_model_state(learner.module, model_state, directory)
     if learner.optimizer is not None:
         learner.optimizer.load_state_dict(loaded["optimizer"])
         learner.scheduler.num_steps = 0  # load_state_dict advances by the saved count from here

@@ -3,6 +3,12 @@
 These run on every rank of a TP x PP job and are what the trainer reuses: the model's
 own ``sharded_state_dict(prefix=MODEL_PREFIX)`` says which slices this rank holds, and
 ``dist_checkpointing`` reads/writes exactly those, whatever layout wrote the checkpoint.
+
+Either layer spec loads a checkpoint either spec wrote: the weights have the same sharded
+keys (``keymap``), and Transformer Engine's ``_extra_state`` (FP8 metadata; the local spec
+keeps empty ones on its linear layers for TE's sake) is read where the checkpoint has it and
+otherwise left as the module made it (``model_state_dict``: a checkpoint converted on CPU has
+no ``core_attention._extra_state``, which a TE model asks for).
 """
 
 from __future__ import annotations
@@ -18,6 +24,33 @@ from megatron_tir.policy.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
+def without_absent_extra_state(sharded: dict, ckpt: Path) -> dict:
+    """``sharded`` less the ``_extra_state`` objects that the checkpoint ``ckpt`` does not hold."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    from megatron_tir.policy.keymap import is_extra_state
+
+    extra = [k for k, v in sharded.items() if isinstance(v, ShardedObject) and is_extra_state(v.key)]
+    if not extra:
+        return sharded
+    present = set(load_sharded_metadata(str(ckpt)))
+    absent = {k for k in extra if sharded[k].unique_key not in present}  # keyed 'key/shard_<offset>_<shape>'
+    if absent:
+        log.info("%s: %d _extra_state entries absent (a checkpoint of the other layer spec): left as built",
+                 ckpt, len(absent))
+    return {k: v for k, v in sharded.items() if k not in absent}
+
+
+def load_model_state(model, state: dict, ckpt: Path, *, skip: tuple[str, ...] = ()) -> None:
+    """``model.load_state_dict(state)``, where only ``_extra_state`` entries (and ``skip``) may be missing."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in skip and not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}: the checkpoint does not fill the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+
+
 def load_model(model, ckpt: Path, *, skip: tuple[str, ...] = ()) -> None:
     """Fill this rank's ``model`` (a GPTModel stage) from the dist checkpoint ``ckpt``; parameters
     named in ``skip`` (a critic's value head, when it starts from a policy) keep their values."""
@@ -25,14 +58,11 @@ def load_model(model, ckpt: Path, *, skip: tuple[str, ...] = ()) -> None:
 
     sharded = {k: v for k, v in model.sharded_state_dict(prefix=MODEL_PREFIX).items()
                if k.removeprefix(MODEL_PREFIX) not in skip}
+    sharded = without_absent_extra_state(sharded, Path(ckpt))
     loaded = dist_checkpointing.load(sharded, str(ckpt))
     # a learner checkpoint also holds optimizer/scheduler state: take the model's entries only
     state = {k.removeprefix(MODEL_PREFIX): loaded[k] for k in sharded}
-    missing, unexpected = model.load_state_dict(state, strict=not skip)
-    missing = [k for k in missing if k not in skip and not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"{ckpt}: the checkpoint does not fill the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
+    load_model_state(model, state, Path(ckpt), skip=skip)
 
 
 def save_model(model, ckpt: Path, *, spec: ModelSpec, hf_config: dict, hf_files: Path | None,
