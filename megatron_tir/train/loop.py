@@ -29,7 +29,7 @@ from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
-from megatron_tir.train.batch import build_update, mini_batches
+from megatron_tir.train.batch import build_update, mini_batches, with_behaviour_weights
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.critic_update import critic_step, gae_advantages
 from megatron_tir.train.config import TrainConfig
@@ -143,6 +143,11 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
             update.batch, critic_metrics = gae_advantages(
                 update.batch, rows.rewards_B, critic, cfg.critic, model_mask_BT=rows.loss_mask_BT, behaviour_BT=old_BT,
                 ref_BT=ref_BT, local_rows=True)
+    correction: dict[str, float] = {}
+    if tc.asynchrony.mode != "off":  # the decoupled objective: old_BT is the proximal policy, the engine's the behaviour
+        update.batch, stats = with_behaviour_weights(update.batch, rows.engine_logprobs_BT, cap=tc.asynchrony.cap,
+                                                     mode=tc.asynchrony.correction)
+        correction = {f"offpolicy/{k}": v for k, v in stats.items()}  # this rank's rows
     critic_steps: list[dict[str, float]] = []
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=got.turns)
@@ -167,7 +172,7 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
-    } | critic_metrics
+    } | critic_metrics | correction
     if critic_steps:
         metrics |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
         metrics["critic/warmup"] = float(critic_only)
