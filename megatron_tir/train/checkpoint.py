@@ -19,10 +19,10 @@ save. ``keep_last`` newest checkpoints are kept, older ones pruned.
 
 Integrity: the dist writer hashes the learners' files while writing them and the manifest
 is written before the rename; a model with non-finite weights is never saved. ``load``
-verifies every byte (rank 0) and falls back to the newest intact checkpoint, warning with
-the damaged file's name (``strict``: it refuses instead). A save that runs out of disk
-raises one line with the space it needs, after removing its partial directory
-(``checkpoint_integrity``).
+verifies every byte (the ranks share the reading) and falls back to the newest intact
+checkpoint, warning with the damaged file's name (``strict``: it refuses instead). A save
+that runs out of disk raises one line with the space it needs, after removing its partial
+directory (``checkpoint_integrity``).
 """
 
 from __future__ import annotations
@@ -108,6 +108,15 @@ def _gather_dicts(mine: dict) -> dict:
     parts: list = [None] * _rank()[1]
     torch.distributed.all_gather_object(parts, dict(mine))
     return {k: v for part in parts for k, v in part.items()}
+
+
+def _gather_list(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if _rank()[1] == 1:
+        return [obj]
+    parts: list = [None] * _rank()[1]
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
 
 
 def rng_state() -> dict:
@@ -217,12 +226,14 @@ class RunCheckpoints:
         intact checkpoint: a damaged one -- against its manifest, or holding non-finite weights -- is
         skipped with a warning naming the file, or refused when ``strict``); the trainer state."""
         _check_learners(learners)
-        rank, _ = _rank()
-        found = [path] if path is not None else integrity.candidates(self.dir)
+        rank, world = _rank()
+        found = _broadcast_obj([path] if path is not None else integrity.candidates(self.dir))  # rank 0's view
         if not found or not (found[0] / STATE).is_file():
             raise ValueError(f"no complete checkpoint in {self.dir}")
         for i, path in enumerate(found):
-            why = _broadcast_obj(integrity.problem(path, deep=True) if rank == 0 else None)  # rank 0 reads it once
+            # every byte read once: each rank hashes its share of the files
+            whys = _gather_list(integrity.problem(path, deep=True, part=(rank, world)))
+            why = next((w for w in whys if w is not None), None)
             if why is None:
                 missing = [name for name in learners if not (path / name).is_dir()]
                 if missing:

@@ -5,7 +5,7 @@
   damaged against its ``manifest.json`` (:mod:`megatron_tir.policy.checkpoint.manifest`), or an
   unreadable trainer state -- in one line naming the file; None when it is intact. ``deep=False``
   checks sizes only (a stat per file: what every rank can afford before the slow start);
-  ``deep=True`` checks every byte (once, on rank 0, before the learner reads it).
+  ``deep=True`` checks every byte (once, shared by the ranks, before the learners read it).
 * :func:`pick`: the newest intact one; a damaged one is skipped with a warning naming it, or,
   ``strict``, refused (``trainer.checkpoint.strict_resume``).
 * :class:`DiskFullError`: a save that found no space: the path, the space it needs and the free
@@ -43,10 +43,11 @@ def candidates(ckpt_dir: Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
-def problem(step_dir: Path, *, deep: bool) -> str | None:
-    """One line naming what is wrong with ``step_dir``, or None when it is intact."""
+def problem(step_dir: Path, *, deep: bool, part: tuple[int, int] = (0, 1)) -> str | None:
+    """One line naming what is wrong with ``step_dir``, or None when it is intact (``part``: this rank's
+    share of the files to hash, see ``manifest.verify``)."""
     try:
-        manifest.verify(step_dir, deep=deep)
+        manifest.verify(step_dir, deep=deep, part=part)
     except manifest.ManifestError as exc:
         return str(exc)
     try:

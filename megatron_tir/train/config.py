@@ -42,8 +42,9 @@ ASYNC_KEY = "trainer.async"  # the CLI spelling of trainer.asynchrony (``async``
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    train: str = "arithmetic"  # "arithmetic" (generated) | aime24 | math500 | math_train | a parquet file
-    eval: str = "arithmetic"  # held-out prompts: "arithmetic" draws from a disjoint seed
+    # "arithmetic" | "tir_mix" (generated: megatron_tir.data.tasks) | aime24 | math500 | math_train | a parquet file
+    train: str = "arithmetic"
+    eval: str = "arithmetic"  # held-out prompts: a generated task draws its held-out split
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
     eval_temperature: float | None = None  # None: the rollout temperature
@@ -254,8 +255,9 @@ def tiny_cpu() -> TrainConfig:
 
 
 def smollm2_cpu() -> TrainConfig:
-    """The embedded default: SmolLM2-135M-Instruct learns to compute the generated arithmetic task
-    with code (chat template; the answer is what final_answer() prints or a boxed number)."""
+    """The embedded default: SmolLM2-135M-Instruct learns to solve the generated task family with code
+    (``tir_mix``: six training families at graded difficulty; held out: other seeds and a seventh
+    family; chat template; the answer is what final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
         learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=1024),
@@ -263,7 +265,7 @@ def smollm2_cpu() -> TrainConfig:
                               tool_timeout_s=5.0, prompt=PromptConfig(mode="chat")),
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
-        data=DataConfig(eval_size=32, eval_samples=1),
+        data=DataConfig(train="tir_mix", eval="tir_mix", eval_size=28, eval_samples=1),
         trainer=TrainerConfig(steps=10, sampling=SamplingConfig(prompts_per_step=8), ppo=PPOConfig(epochs=2),
                               filters=FilterConfig(overlong="keep"), checkpoint=CheckpointConfig(every=5),
                               eval_every=5),

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -231,3 +232,46 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoin
     fresh = _learner()
     assert ck.load({"policy": fresh}).step == 2
     assert all(torch.equal(p, expected[n]) for n, p in _weights(fresh).items())
+
+
+def _two_rank_resume(rank: int, world: int, port: int, run: str, out: str) -> None:
+    """Rank 0 saves the files of a duck-typed learner; both ranks load (sharing the hashing)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+    def save(learner, directory):
+        if rank == 0:
+            Path(directory).mkdir(parents=True)
+            for i in range(4):
+                torch.save({"w": learner["w"] + i}, Path(directory) / f"part{i}.pt")
+        torch.distributed.barrier()
+
+    def load(learner, directory):
+        learner["w"] = torch.load(Path(directory) / "part0.pt")["w"]
+
+    ck = RunCheckpoints(run, keep_last=2, save_learner=save, load_learner=load)
+    for step in (1, 2):
+        ck.save({"policy": {"w": torch.full((8,), float(step))}}, TrainerState(step=step))
+    torch.distributed.barrier()
+    if rank == 0:  # damage the file only rank 1 hashes (files sorted: policy/part0..3, rng_rank*, state)
+        order = sorted(manifest.read_manifest(Path(run) / "checkpoints" / "step_2"))
+        victim = order[1]
+        _damage(Path(run) / "checkpoints" / "step_2" / victim, "corrupt")
+        Path(out, "victim").write_text(victim)
+    torch.distributed.barrier()
+    learner = {}
+    state = ck.load({"policy": learner})
+    Path(out, f"rank{rank}").write_text(json.dumps({"step": state.step, "w": learner["w"].tolist()}))
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_share_the_verification_and_fall_back_together(tmp_path):
+    from megatron_tir.ports import free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.multiprocessing.spawn(_two_rank_resume, args=(2, free_port(), str(tmp_path / "run"), str(out)), nprocs=2)
+    assert (out / "victim").read_text() == "policy/part1.pt"  # index 1: hashed by rank 1 only
+    for rank in (0, 1):
+        got = json.loads((out / f"rank{rank}").read_text())
+        assert got == {"step": 1, "w": [1.0] * 8}

@@ -153,3 +153,16 @@ def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
     acc.Reload()
     points = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert points == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+
+def test_a_run_stopped_by_non_finite_steps_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    from megatron_tir.finite import NonFiniteTraining
+    from megatron_tir.train import cli, run
+
+    def stopped(*_a, **_k):
+        raise NonFiniteTraining("stopped at step 4: 3 consecutive steps with non-finite weights")
+
+    monkeypatch.setattr(run, "run_training", stopped)
+    code = cli.run_train_command(_args(recipe="tiny-cpu", out=str(tmp_path / "run")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == ["megatron-tir: error: stopped at step 4: 3 consecutive steps with non-finite weights"]
