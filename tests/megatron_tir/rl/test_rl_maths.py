@@ -147,8 +147,6 @@ def test_policy_loss_high_ratio_filter_and_max_ratio():
     torch.testing.assert_close(loss[0], t(1.0, 0.0, 0.0))  # ratios 2.5 and 5 exceed the bound
     assert m["high_ratio_masked"][0].tolist() == [0, 1, 1]
     assert fn.max_ratio == pytest.approx(2.5)  # the masked-out (loss mask 0) token is not counted
-    fn.reset()
-    assert fn.max_ratio == 0.0
 
 
 def test_low_prob_keep_masks_each_rows_lowest_tokens():
