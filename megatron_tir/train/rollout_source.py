@@ -301,7 +301,7 @@ class RolloutSource:
                 # the lag against the weights being trained (the engine's version is the learner's: a
                 # sync follows every update): 0 in synchronous training, 1 with trainer.async=one_step
                 metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT,
-                                                  current=self.service.engine.weight_version)
+                                                  current=self.service.weight_version)
                 metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
         metrics["time/rollout"] = time.perf_counter() - t0
         return header, shares, metrics, got
