@@ -129,15 +129,24 @@ def _check_out_dir(run_dir: Path) -> None:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    from megatron_tir.train.run import run_training
-
+    """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2. Once the
+    run has started, an engine or sandbox failure or a stop (``InfrastructureError``) is one line,
+    exit 1; non-finite training likewise; anything else is exit 1 with its traceback in the log
+    (not "bad input")."""
     from megatron_tir.finite import NonFiniteTraining
+    from megatron_tir.rollout.factory import InfrastructureError
+    from megatron_tir.train.run import run_training
 
     cfg, run_dir, state = prepare(args)
     try:
         state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    except InfrastructureError:
+        raise
     except NonFiniteTraining as exc:
         print(f"megatron-tir: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a defect or an environment problem mid-run, not the user's input
+        log.exception("training failed at rank %d", _rank())
         return 1
     if _rank() == 0:
         print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
