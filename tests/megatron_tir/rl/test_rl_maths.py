@@ -72,8 +72,10 @@ def test_row_weights_infra_and_overlong():
     assert loss.tolist() == [True, False, False, False]
     stats, loss = row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=False, overlong="keep")
     assert loss.tolist() == [True, False, True, True]
+    stats, loss = row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="drop")
+    assert stats.tolist() == [True, False, False, True] and loss.tolist() == [True, False, False, False]
     with pytest.raises(ValueError, match="overlong"):
-        row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="drop")
+        row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="clip")
 
 
 def test_reinforce_pp_whitens_returns_over_batch_tokens():
