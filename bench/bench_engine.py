@@ -17,7 +17,8 @@ write bytes per second; a decode step reads every weight once, at half that rate
 the matmul rate of one decode-shaped product (largest batch x hidden by hidden x
 intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
 2 * params * B / matmul rate); "of roofline" is tokens/s over B / that time.
-Prints one JSON line per (batch size, decoder) and a summary line per batch size.
+Prints one JSON line per run as it ends, then the roofline, one line per (batch size,
+decoder) with the medians and a summary line per batch size.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = asyncio.run(measure(args.model, decoder, size, args.requests, args.max_new_tokens,
                                              args.threads))
                 results.setdefault((size, decoder), []).append(result)
+                sys.stdout.write(json.dumps({"round": r, **result}) + "\n")  # each run as it ends
+                sys.stdout.flush()
     from transformers import AutoConfig
 
     from megatron_tir.model_sources import resolve_model

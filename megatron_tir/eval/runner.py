@@ -26,19 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_tir.finite import check_finite
-from megatron_tir.eval.metrics import INFRA_STATUSES, EvalMetrics, compute_metrics
+from megatron_tir.eval.metrics import EvalMetrics, compute_metrics
 from megatron_tir.observe.dumps import trajectory_record
 from megatron_tir.rollout.batch import Group, flatten
 from megatron_tir.rollout.driver import RolloutConfig
+from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.factory import (
     EngineConfig,
     InfrastructureError,
     SandboxConfig,
     build_engine,
+    check_engine,
+    check_sandbox,
     engine_settings,
     open_sandbox,
-    probe_engine,
-    probe_sandbox,
     resolve_model_dir,
 )
 
@@ -154,8 +155,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
         sandbox = None
         if cfg.rollout.tools:
             sandbox = stack.enter_context(open_sandbox(cfg.sandbox))
-            where = cfg.sandbox.address or "the local sandbox cluster"
-            asyncio.run(probe_sandbox(sandbox, timeout_s=cfg.probe_timeout_s, what=f"sandbox at {where}"))
+            asyncio.run(check_sandbox(sandbox, cfg.sandbox, timeout_s=cfg.probe_timeout_s))
         verifier = stack.enter_context(MathVerifier())
         engine, tokenizer = build_engine(cfg.engine, model_dir=model_dir, settings=settings)
         sink = stack.enter_context(open(tmp_path, "w")) if out_path else None
@@ -181,8 +181,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
 
         async def main() -> list[Group]:
             try:
-                where = ", ".join(cfg.engine.urls) if cfg.engine.kind == "sglang" else f"local engine ({cfg.engine.model})"
-                await probe_engine(engine, tokenizer, timeout_s=cfg.probe_timeout_s, what=f"engine {where}")
+                await check_engine(engine, tokenizer, cfg.engine, timeout_s=cfg.probe_timeout_s)
                 return await TIRRollout(engine, tokenizer, sandbox, cfg.rollout, verifier=verifier).run(
                     problems, on_done=on_done)
             finally:

@@ -191,7 +191,7 @@ class TrainBatch:
 
     ``attention_mask_BT`` marks each row's tokens (one contiguous span; padding on either
     side); ``loss_mask_BT`` (float) says which tokens are trained (the trainer has already
-    multiplied it by the trajectories' trainable flags); ``extras`` are row-aligned tensors
+    applied the row roles of megatron_tir.rl.rows); ``extras`` are row-aligned tensors
     (``[B]`` or ``[B, T]``: old log-probs, advantages, ...) handed to ``loss_fn`` per micro-batch.
     """
 

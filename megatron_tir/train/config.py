@@ -30,7 +30,7 @@ from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.train.batch import SAMPLING_STRATEGIES
 from megatron_tir.train.critic_update import CriticConfig
-from megatron_tir.train.schedule import TurnScheduleConfig
+from megatron_tir.train.turn_schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
@@ -148,6 +148,19 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class StopConfig:
+    """When the run stops because it cannot learn (exit 1 with the cause; nothing new is saved)."""
+    infra_failure_share: float = 0.5  # a step whose trajectories infrastructure ended more than this share of
+    steps_without_update: int = 3  # this many consecutive steps without an optimizer update
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.infra_failure_share <= 1:
+            raise ValueError(f"infra_failure_share must be in [0, 1], got {self.infra_failure_share}")
+        if self.steps_without_update < 1:
+            raise ValueError(f"steps_without_update must be >= 1, got {self.steps_without_update}")
+
+
+@dataclass(kw_only=True, slots=True)
 class AsyncConfig:
     """Asynchronous training (``--set trainer.async=MODE``, ``trainer.async.KEY=...``): ``off`` is
     synchronous (rollouts, update, sync, in turn). In the other modes the loss takes the decoupled
@@ -180,6 +193,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     asynchrony: AsyncConfig = field(default_factory=AsyncConfig)  # on the command line: trainer.async
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
