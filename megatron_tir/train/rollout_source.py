@@ -71,6 +71,20 @@ class StepRollouts:
     turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
     collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
 
+    @classmethod
+    def of_groups(cls, groups, cfg: TrainConfig, *, pad_id: int = 0) -> StepRollouts:
+        """A one-replica step of scored ``groups`` without a source (what ``next`` gives a rank when
+        the data-parallel size is 1; for checks of the update alone)."""
+        tc = cfg.trainer
+        plan = plan_update(to_tensors(groups, pad_id=pad_id), mode=tc.mode,
+                           advantage=None if tc.ppo.advantage == "gae" else tc.ppo.advantage,
+                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+        r = plan.rows
+        return cls(rows=r if r.batch_size else None, mini_batches=int(r.mini_batch_B.max()) + 1 if r.batch_size else 0,
+                   metrics={}, data_position=0, schedule_switched_at=None,
+                   rollout_budget=(cfg.rollout.max_turns, cfg.rollout.max_response_tokens),
+                   turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, collected=None)
+
 
 # ----------------------------------------------------------------------------- the hand-off
 
