@@ -191,7 +191,7 @@ class Learner:
             self._forward_backward = get_forward_backward_func()
         return self._forward_backward
 
-    def _micro_batches(self, attention_mask_BT: torch.Tensor, local_rows: bool) -> list[MicroBatch]:
+    def _micro_batches(self, attention_mask_BT: torch.Tensor, local_rows: bool = False) -> list[MicroBatch]:
         """This rank's micro-batches: of all rows (dealt here), or of the rows the caller dealt it."""
         from megatron.core import parallel_state
 
