@@ -26,6 +26,7 @@ def test_one_step_trains_every_token_exactly_one_version_behind(tmp_path, mode):
         sampled_by = step - 1 - lag  # the learner has done step - 1 updates when it trains step's rows
         assert r["train/weight_version_min"] == r["train/weight_version_max"] == sampled_by, (step, r)
         assert r["train/weight_version_lag_mean"] == r["train/weight_version_lag_max"] == lag
+        assert r[f"train/weight_version_lag_share_{lag}"] == 1.0  # the staleness histogram: one bin
         if mode == "one_step":  # the decoupled objective's metrics (the weight is the engine's vs the learner's)
             assert math.isfinite(r["offpolicy/kl"]) and r["offpolicy/weight_max"] > 0
         else:
