@@ -71,6 +71,11 @@ class RolloutService:
         with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
 
+    @property
+    def weight_version(self) -> int:
+        """The engine's weight version now (one more after every sync)."""
+        return self.engine.weight_version
+
     def sync_from(self, learner) -> int:
         """The learner's current weights into the engine; returns its new weight version
         (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
