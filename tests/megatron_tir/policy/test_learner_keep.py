@@ -10,16 +10,24 @@ from learner_testing import make_batch
 
 from megatron_tir.policy.learner_config import KEEP_METRIC, LearnerConfig, TrainBatch
 from megatron_tir.policy.losses import TokenLoss
+from megatron_tir.policy.parallel import run_ranks
 from megatron_tir.rl.loss import LossConfig, PolicyLoss, aggregate
 
 BOUND = 5.0
 
 
-def _learner(max_tokens: int):
+def _learner(max_tokens: int, tp: int = 1, pp: int = 1):
     from megatron_tir.policy.learner import Learner
 
     # clipping far above the grad norm: the raw gradients are compared (a clipped pair would hide a scale)
-    return Learner(LearnerConfig(model="tiny-qwen2", lr=1e-4, grad_clip=1e6, max_tokens_per_microbatch=max_tokens))
+    return Learner(LearnerConfig(model="tiny-qwen2", tp=tp, pp=pp, lr=1e-4, grad_clip=1e6,
+                                 max_tokens_per_microbatch=max_tokens))
+
+
+def _losses(aggregation: str) -> tuple[PolicyLoss, PolicyLoss]:
+    """The high-ratio filter and the same loss without it (KL and entropy terms on)."""
+    cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01, aggregation=aggregation)
+    return PolicyLoss(cfg, high_ratio_bound=BOUND), PolicyLoss(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +67,7 @@ def _step(learner, batch, loss_mask_BT, extras, token_loss, aggregation):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_high_ratio_filter_equals_the_tokens_out_of_the_mask(learners, aggregation):
-    cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01, aggregation=aggregation)
-    filtered, plain = PolicyLoss(cfg, high_ratio_bound=BOUND), PolicyLoss(cfg)
+    filtered, plain = _losses(aggregation)
     batch, lp, ent, drop, extras = _case(learners[1])
     m = batch.loss_mask_BT
     kept_mask = m * ~drop
@@ -100,3 +107,42 @@ def test_a_step_that_keeps_no_token_changes_nothing(learners):
     assert result.loss == 0.0 and result.metrics[KEEP_METRIC] == 0.0 and not result.skipped
     assert learner.step == step
     assert all(torch.equal(p, before[n]) for n, p in learner.module.named_parameters())
+
+
+def keep_run(rank: int, world: int, tp: int, pp: int, out: str) -> None:
+    """At ``tp`` x ``pp`` (the rest data parallel): (loss, grad norm) of the filtered and the masked step,
+    per aggregation; rank 0 saves them."""
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(tp, pp)
+    learner = _learner(16, tp, pp)
+    res = {}
+    for aggregation in ("token_mean", "seq_mean"):
+        filtered, plain = _losses(aggregation)
+        batch, _, _, drop, extras = _case(learner)
+        for name, mask, fn in (("filtered", batch.loss_mask_BT, filtered),
+                               ("masked", batch.loss_mask_BT * ~drop, plain)):
+            r, _ = _step(learner, batch, mask, extras, fn, aggregation)
+            res[aggregation, name] = (r.loss, r.grad_norm)
+    if rank == 0:
+        torch.save(res, out)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_kept_counts_are_summed_over_replicas_and_stages(learners, layout, tmp_path):
+    """DP=2 (each replica counts its own rows' kept tokens) and PP=2 (only the last stage runs the
+    loss; the first stage's gradients are rescaled too): the filtered step equals the masked one and
+    the hand reference of one process. Two spawned ranks (~40 s each layout)."""
+    tp, pp = {"dp2": (1, 1), "pp2": (1, 2)}[layout]
+    out = tmp_path / "keep.pt"
+    run_ranks(keep_run, 2, tp, pp, str(out))
+    res = torch.load(out)
+    for aggregation in ("token_mean", "seq_mean"):
+        batch, lp, ent, drop, extras = _case(learners[1])
+        loss_BT, _ = _losses(aggregation)[1](lp, ent, extras)
+        want = float(aggregate(loss_BT, batch.loss_mask_BT * ~drop, aggregation))
+        (lf, nf), (lm, nm) = res[aggregation, "filtered"], res[aggregation, "masked"]
+        print(f"{layout} {aggregation}: loss filtered {lf:.6f} masked {lm:.6f} hand {want:.6f}; "
+              f"grad norm {nf:.6f} vs {nm:.6f}")
+        assert abs(lf - want) <= 1e-5 * abs(want) and abs(lm - want) <= 1e-5 * abs(want)
+        assert abs(nf - nm) <= 1e-5 * nm
