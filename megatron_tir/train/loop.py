@@ -106,6 +106,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         max_turns, max_tokens = got.rollout_budget
         metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
         metrics |= observer.end_step(step, metrics | timings)
+        if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
+            waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
+            metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
