@@ -108,6 +108,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                 rt = to_tensors(got.groups, pad_id=_pad_id(worker.tokenizer)).as_dict() if got.groups else None
         rt = _broadcast(rt)
         if rt is not None:
+            if rank == 0:  # a colocated engine gives its memory back while the trainer trains
+                worker.offload()
             metrics |= update_policy(cfg, RolloutTensors(**rt), learner, timings, temperature, reference,
                                      critic=critic, critic_only=step <= cfg.critic.warmup_steps)
             # 2. new weights to the engines, paused around the copy.

@@ -1,8 +1,8 @@
 """Rank 0's side of the run: the generation engine, the sandbox cluster, the verifier and the
 async rollout driver, kept alive across steps on one asyncio event loop.
 
-New weights reach the engine through its weight sync (``sync_from``; the sync pauses and
-resumes the engine); a trajectory in flight never straddles a sync, because a step's
+New weights reach the engine through its weight sync (``offload`` before training frees a
+colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine); a trajectory in flight never straddles a sync, because a step's
 rollouts have all finished before the update starts.
 """
 
@@ -57,6 +57,11 @@ class RolloutWorker:
 
         with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
+
+    def offload(self) -> None:
+        """Before a training phase: the engine pauses and frees its memory where it shares the
+        trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
+        self.runner.run(self.weight_sync.offload())
 
     def sync_from(self, learner) -> int:
         """The learner's current weights into the engine; returns its new weight version

@@ -10,6 +10,17 @@ scheduler holds requests):
 
 The session is ended and generation resumed on failure too, and the error re-raised.
 
+Colocated (:class:`TensorWeightSync`; the servers share the trainer's GPUs), around each
+training phase: ``offload()`` = pause -> flush (retried until the scheduler is idle) -> ``/release_memory_occupation`` (weights,
+kv_cache, cuda_graph: srt/constants.py ``GPU_MEMORY_ALL_TYPES``) -> [the trainer trains]
+-> ``update``: ``/resume_memory_occupation`` weights -> begin .. buckets .. end -> flush
+-> ``/resume_memory_occupation`` kv_cache + cuda_graph -> resume. SGLang requires it so
+(``srt/managers/scheduler_components/weight_updater.py``): release asserts an idle
+scheduler, resume removes each tag from ``offload_tags`` (a tag not released kills the
+scheduler), and a weight load or a forward pass into memory still released writes into
+pages the memory saver unmapped. The IPC handles open only on the GPU's own node:
+``start()`` refuses servers that are not on this node (:func:`check_node_local`).
+
 Versions: ``start()`` reads every server's current ``weight_version`` (``GET
 /model_info``; ``"default"`` at launch, srt/arg_groups/fields/serving.py); each
 ``update`` sends the next integer as ``weight_version`` with every bucket, which the
@@ -42,7 +53,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
-from megatron_tir.rollout.sync.base import Bucket, check_bucket
+from megatron_tir.rollout.engines.base import MEMORY_TAGS
+from megatron_tir.rollout.sync.base import WEIGHTS_TAG, Bucket, check_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -113,10 +125,18 @@ def new_trainer_process_group(*, master_address: str, master_port: int, world_si
 
 async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
     """pause -> begin -> ``await load(version)`` -> end -> flush -> resume; the session ends and
-    generation resumes on failure too. Returns the new version."""
+    generation resumes on failure too. Returns the new version.
+
+    After ``offload`` (the engine is paused, its memory released): resume the weights
+    first, and the KV cache and CUDA graphs after the flush, before resuming generation.
+    """
     version = engine.weight_version + 1
+    released = engine.released_memory
     try:
-        await engine.pause(mode=mode)
+        if not released:
+            await engine.pause(mode=mode)
+        if WEIGHTS_TAG in released:
+            await engine.resume_memory_occupation([WEIGHTS_TAG])
         await engine.begin_weight_update()
         try:
             await load(str(version))
@@ -124,7 +144,10 @@ async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
             await engine.end_weight_update()
         await engine.flush_cache()
     finally:
-        await engine.resume()
+        try:
+            await engine.resume_memory_occupation()  # the rest (kv_cache, cuda_graph); no call when none
+        finally:
+            await engine.resume()
     if engine.weight_version != version:  # every server adopted it (the client records it on success)
         raise RuntimeError(f"weight sync: the servers report version {engine.weight_version}, not {version}")
     return version
@@ -212,6 +235,10 @@ class DistributedWeightSync:
         self.world_size = world_size
         log.info("weight-update group %s ready (world size %d)", cfg.group_name, world_size)
 
+    async def offload(self) -> None:
+        """The servers have GPUs of their own: nothing to free."""
+        return None
+
     async def update(self, buckets: Iterable[Bucket]) -> int:
         """One sync: every bucket announced to all servers and broadcast from rank 0."""
         import torch.distributed as dist
@@ -274,20 +301,68 @@ def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int)
     return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
 
 
+def node_addresses() -> frozenset[str]:
+    """This node's IP addresses (its host names resolved, and loopback)."""
+    import socket
+
+    found = {"127.0.0.1", "::1"}
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return frozenset(found)
+
+
+def check_node_local(urls: Iterable[str], local: frozenset[str] | None = None) -> None:
+    """ValueError (one line) when a server is not on this node: CUDA IPC handles open only there."""
+    import socket
+    from urllib.parse import urlsplit
+
+    local = node_addresses() if local is None else local
+    remote = []
+    for url in urls:
+        host = urlsplit(url).hostname or ""
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            addresses = set()
+        if not any(a in local or ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+            remote.append(url)
+    if remote:
+        raise ValueError(f"colocated weight sync (CUDA IPC) needs every SGLang server on this trainer rank's node; "
+                         f"{', '.join(remote)} are elsewhere (run them colocated per node, or use the broadcast sync)")
+
+
 class TensorWeightSync:
     """Colocated sync: CUDA IPC handles of this rank's tensors to every server TP rank."""
 
-    def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT) -> None:
+    def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT,
+                 local_addresses: Iterable[str] | None = None) -> None:
         mode = as_pause_mode(pause_mode)
+        self.local_addresses = None if local_addresses is None else frozenset(local_addresses)
         if mode not in SYNC_PAUSE_MODES:
             raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {mode.value}")
         self.engine = engine
         self.pause_mode = mode
 
     async def start(self) -> None:
-        """Check the servers and read their weight version."""
+        """Refuse servers on other nodes, check the servers and read their weight version."""
+        check_node_local(self.engine.config.server_urls, self.local_addresses)
         await self.engine.server_info(refresh=True)
         await self.engine.fetch_weight_version()
+
+    async def offload(self) -> None:
+        """Before training: pause generation, wait for an idle scheduler, free the servers' weights,
+        KV cache and CUDA graphs.
+
+        Release asserts an idle scheduler (weight_updater.py ``is_fully_idle``) and an abort
+        pause returns while the scheduler may still hold the aborted batch: ``/flush_cache``
+        succeeds only on an idle scheduler, so it is retried first (``SGLangEngine.flush_cache``).
+        """
+        await self.engine.pause(mode=self.pause_mode)
+        await self.engine.flush_cache()
+        await self.engine.release_memory_occupation(list(MEMORY_TAGS))
 
     async def update(self, buckets: Iterable[Bucket]) -> int:
         tp_sizes = [info["tp_size"] for info in await self.engine.server_info()]

@@ -59,7 +59,10 @@ from megatron_tir.rollout.engines.base import (
     PauseMode,
     SamplingParams,
     bind_event_loop,
+    MEMORY_TAGS,
     check_generate_args,
+    check_release,
+    check_resume,
     pause_mode,
 )
 from megatron_tir.rollout.engines.sglang.pool import ServerPool, ServerState
@@ -73,7 +76,6 @@ from megatron_tir.rollout.engines.sglang.wire import (
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
 SERVER_KEEPALIVE_S = 5.0  # sglang/srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE default
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # never reached the server
 
@@ -483,31 +485,22 @@ class SGLangEngine:
         The servers must run with ``--enable-memory-saver`` (without it nothing is freed).
         """
         tags = tuple(MEMORY_TAGS if tags is None else tags)
-        unknown = sorted(set(tags) - set(MEMORY_TAGS))
-        if unknown or not tags:
-            raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
-        if not self.paused:
-            raise RuntimeError("release_memory_occupation needs pause() first: SGLang releases only when idle")
-        again = sorted(set(tags) & set(self.released_memory))
-        if again:
-            raise ValueError(f"memory tags {again} are already released")
+        released = check_release(self.released_memory, tags, paused=self.paused)
         no_saver = [s.url for s, info in zip(self.pool.servers, await self.server_info())
                     if not info.get("enable_memory_saver")]
         if no_saver:
             raise SGLangError(f"{', '.join(no_saver)} run(s) without --enable-memory-saver: release frees nothing")
         await self.call_all("/release_memory_occupation", {"tags": list(tags)})
-        self.released_memory = tuple(dict.fromkeys(self.released_memory + tags))
+        self.released_memory = released
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Take back the memory released (None: exactly the tags released; nothing: no call)."""
         tags = self.released_memory if tags is None else tuple(tags)
         if not tags:
             return
-        not_released = sorted(set(tags) - set(self.released_memory))
-        if not_released:
-            raise ValueError(f"memory tags {not_released} were not released (released: {list(self.released_memory)})")
+        still = check_resume(self.released_memory, tags)
         await self.call_all("/resume_memory_occupation", {"tags": list(tags)})
-        self.released_memory = tuple(t for t in self.released_memory if t not in tags)
+        self.released_memory = still
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, group_name: str,
                                         backend: str = "nccl") -> int:
