@@ -101,6 +101,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, work
                                                        min_rows=tc.filters.min_group_rows,
                                                        strategy=tc.sampling.strategy, seed=tc.seed * 100003 + step))
                 metrics |= rollout_metrics(got.sampled)
+                if stale := worker.take_stale_responses():  # a server restarted with other weights
+                    metrics["rollout/stale_responses_dropped"] = float(stale)
+                    log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
                 observer.sampled(step, got)
                 metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
                 metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}

@@ -25,6 +25,7 @@ class RolloutWorker:
 
     def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir) -> None:
         self._stack = contextlib.ExitStack()
+        self._stale_seen = 0
         try:
             self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir)
         except BaseException:
@@ -57,6 +58,13 @@ class RolloutWorker:
 
         with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
+
+    def take_stale_responses(self) -> int:
+        """Answers the engine dropped since the last call because their server served older
+        weights (it restarted; the SGLang client retries them elsewhere)."""
+        total = getattr(self.engine, "stale_responses", 0)
+        new, self._stale_seen = total - self._stale_seen, total
+        return new
 
     def offload(self) -> None:
         """Before a training phase: the engine pauses and frees its memory where it shares the
