@@ -5,8 +5,9 @@ What is measured and what is assumed:
 
 * **Measured here**: the shape of multi-turn trajectories -- model tokens per turn, turns per
   trajectory and the sandbox latency of each tool call -- read from ``megatron-tir eval --out``
-  records of a real rollout on this machine (``--trajectories``; the default file was written
-  by the command in its ``.cmd`` companion). Token counts are scaled by ``--length-scale``
+  records (or a run's ``rollouts/step_N.jsonl.gz`` dumps, the same format) of a real rollout on
+  this machine (``--trajectories``; the default file, 40 smollm2-cpu trajectories of the
+  arithmetic task with their text stripped, was written by the command in its ``.cmd`` companion). Token counts are scaled by ``--length-scale``
   (the recipe's budget over the measured run's budget) so the *distribution's shape* (its long
   tail) is kept while its size matches a 16K-token run; tool latencies are used as measured.
 * **Assumed** (printed at the start, each a flag): the engines' decode rate (per sequence and
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_tir.rollout.staleness import StalenessBound  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_TRAJ = HERE / "data" / "smollm2_math500_trajectories.jsonl"
+DEFAULT_TRAJ = HERE / "data" / "smollm2_arithmetic_trajectories.jsonl"  # 256-token budget (.cmd)
 
 
 @dataclass(slots=True)
@@ -213,7 +214,8 @@ def simulate(mode: str, a, shapes: list[Shape]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trajectories", type=Path, default=DEFAULT_TRAJ)
-    p.add_argument("--length-scale", type=float, default=16384 / 768, help="recipe budget / measured budget")
+    p.add_argument("--length-scale", type=float, default=16384 / 256,
+                   help="recipe budget / measured budget (the default file's: 256 tokens)")
     p.add_argument("--train-groups", type=int, default=512)
     p.add_argument("--keep-share", type=float, default=0.4, help="share of sampled groups the filters keep")
     p.add_argument("--samples", type=int, default=16)

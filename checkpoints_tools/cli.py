@@ -10,7 +10,9 @@ One global ``--log-level {debug,info,warning,error}`` (default info) before the 
 
 Bad input (unknown architecture, missing files, a layout that does not divide the
 model, a checkpoint of another model) prints one ``tir-ckpt: error: ...`` line and exits
-with status 2; verification past tolerance exits with status 1. Outputs are written to
+with status 2; so does a file of a run checkpoint that does not match the checkpoint's
+manifest (size and CRC-32, ``megatron_tir.policy.checkpoint.manifest``), named in that
+line. Verification past tolerance exits with status 1. Outputs are written to
 a temp dir next to ``--out`` and renamed only when complete.
 """
 
@@ -75,6 +77,14 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else EXIT_VERIFY_FAILED
 
 
+def _verify_files(ckpt: Path) -> None:
+    """ValueError naming the first file of ``ckpt`` that does not match its manifest (a run checkpoint's)."""
+    from megatron_tir.policy.checkpoint.layout import resolve_checkpoint
+    from megatron_tir.policy.checkpoint.manifest import verify_checkpoint
+
+    verify_checkpoint(resolve_checkpoint(ckpt))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tir-ckpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level (default: info)")
@@ -132,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if getattr(args, "ckpt", None) is not None:  # a damaged checkpoint is refused before it is read
+            _verify_files(args.ckpt)
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         msg = " ".join(str(e).split()) or type(e).__name__

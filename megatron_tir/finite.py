@@ -25,3 +25,8 @@ def check_finite(obj, prefix: str = "") -> None:
         for item in items:
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError(f"{key} must be a finite number, got {item}")
+
+
+class NonFiniteTraining(RuntimeError):
+    """The run stopped: ``trainer.stop_after_nonfinite`` consecutive steps had non-finite gradients or
+    weights (one line; the CLI exits 1)."""

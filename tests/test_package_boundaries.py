@@ -1,4 +1,4 @@
-"""Dependencies between the top-level packages point one way (issue 8).
+"""Dependencies between the top-level packages point one way.
 
 ``checkpoints_tools -> megatron_tir -> sandbox_cluster``: nothing in ``megatron_tir``
 imports ``checkpoints_tools`` and nothing in ``sandbox_cluster`` imports ``megatron_tir``.

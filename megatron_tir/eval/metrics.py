@@ -58,11 +58,10 @@ from dataclasses import dataclass, field
 
 from megatron_tir.observe.diagnostics import rollout_diagnostics
 from megatron_tir.rollout.batch import Group
-from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
+from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus, Trajectory
 from megatron_tir.tir.markup import TurnKind
 from sandbox_cluster.protocol import Status
 
-INFRA_STATUSES = frozenset({FinishStatus.ABORTED, FinishStatus.TOOL_FAILED})
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

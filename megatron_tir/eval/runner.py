@@ -1,11 +1,14 @@
 """Evaluate a model with TIR rollouts: k samples per problem, rewards, metrics, per-sample JSONL.
 
-``run_eval(EvalConfig(...))`` checks everything the user gave (data, model, engine and
+``run_eval(EvalConfig(...))`` evaluates one or several datasets in one run (one engine, one
+sandbox, all problems in flight together), checks everything the user gave (data, model, engine and
 rollout settings) before anything slow starts, opens the sandbox and checks that it
 runs a program, builds the engine (:mod:`megatron_tir.rollout.factory`) and checks that
 it answers, runs every trajectory through :class:`~megatron_tir.rollout.TIRRollout` with
 a progress bar, writes one JSON line per trajectory as it finishes, and returns the
-metrics of :mod:`megatron_tir.eval.metrics`. When infrastructure (engine aborts, sandbox
+metrics of :mod:`megatron_tir.eval.metrics` over everything plus the per-dataset and
+per-data-source rows of :mod:`megatron_tir.eval.report` (printed as one table; written as
+JSON beside ``out``: ``samples.jsonl`` -> ``samples.metrics.json``). When infrastructure (engine aborts, sandbox
 failures) ended more than ``max_infra_failure_share`` of the trajectories, it raises
 :class:`~megatron_tir.rollout.factory.InfrastructureError` instead: such metrics would
 describe the cluster, not the model.
@@ -23,19 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_tir.finite import check_finite
-from megatron_tir.eval.metrics import INFRA_STATUSES, EvalMetrics, compute_metrics
+from megatron_tir.eval.metrics import EvalMetrics, compute_metrics
 from megatron_tir.observe.dumps import trajectory_record
 from megatron_tir.rollout.batch import Group, flatten
 from megatron_tir.rollout.driver import RolloutConfig
+from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.factory import (
     EngineConfig,
     InfrastructureError,
     SandboxConfig,
     build_engine,
+    check_engine,
+    check_sandbox,
     engine_settings,
     open_sandbox,
-    probe_engine,
-    probe_sandbox,
     resolve_model_dir,
 )
 
@@ -53,8 +57,9 @@ def _eval_rollout() -> RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    data: str  # aime24 | aime25 | math500 | math_train | a verl parquet file
-    limit: int | None = None  # the first M problems
+    # each: aime24 | aime25 | math500 | math_train | a verl parquet file | a generated task (arithmetic, ...)
+    data: tuple[str, ...]
+    limit: int | None = None  # the first M problems of each dataset (a generated task: M held-out problems)
     out: str | None = None  # per-sample JSONL
     # More trajectories than this share ended by an engine abort or a sandbox failure: the
     # eval fails (exit 1) instead of reporting metrics.
@@ -65,6 +70,13 @@ class EvalConfig:
     rollout: RolloutConfig = field(default_factory=_eval_rollout)  # rollout.n_samples is k
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            self.data = (self.data,)
+        self.data = tuple(self.data)
+        if not self.data or any(not str(d).strip() for d in self.data):
+            raise ValueError(f"data must name at least one dataset, got {self.data!r}")
+        if len(set(self.data)) != len(self.data):
+            raise ValueError(f"data names a dataset twice: {', '.join(self.data)}")
         check_finite(self)  # every float setting, sections included (megatron_tir.finite)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
@@ -96,13 +108,39 @@ def check_infrastructure(groups: list[Group], max_share: float) -> None:
         f"{max_share:g}; the metrics would not describe the model (first: {first})")
 
 
-def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, list[Group]]:
-    from megatron_tir.data import load_problems
+@dataclass(kw_only=True, slots=True)
+class EvalResult:
+    metrics: EvalMetrics  # over every dataset together
+    rows: list[dict]  # megatron_tir.eval.report.report_rows: per dataset, per data source
+    groups: list[Group]
+
+
+def _json_safe(value):
+    """NaN (a share of nothing) as null, so the file is strict JSON."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def metrics_path(out: str | os.PathLike) -> Path:
+    """Where the report's JSON goes: beside the per-sample file (``x.jsonl`` -> ``x.metrics.json``)."""
+    out = Path(out)
+    return out.with_name(f"{out.stem if out.suffix else out.name}.metrics.json")
+
+
+def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
+    from megatron_tir.data.generated import load_eval_problems
+    from megatron_tir.eval.report import report_rows
     from megatron_tir.reward import MathVerifier
     from megatron_tir.rollout import TIRRollout
 
     # Everything the user typed is checked before anything slow starts.
-    problems = load_problems(cfg.data, limit=cfg.limit)
+    per_dataset = [(name, load_eval_problems(name, limit=cfg.limit)) for name in cfg.data]
+    problems = [p for _, ps in per_dataset for p in ps]
     model_dir = resolve_model_dir(cfg.engine)
     settings = engine_settings(cfg.engine, model_dir)
     out_path = Path(cfg.out) if cfg.out else None
@@ -117,8 +155,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
         sandbox = None
         if cfg.rollout.tools:
             sandbox = stack.enter_context(open_sandbox(cfg.sandbox))
-            where = cfg.sandbox.address or "the local sandbox cluster"
-            asyncio.run(probe_sandbox(sandbox, timeout_s=cfg.probe_timeout_s, what=f"sandbox at {where}"))
+            asyncio.run(check_sandbox(sandbox, cfg.sandbox, timeout_s=cfg.probe_timeout_s))
         verifier = stack.enter_context(MathVerifier())
         engine, tokenizer = build_engine(cfg.engine, model_dir=model_dir, settings=settings)
         sink = stack.enter_context(open(tmp_path, "w")) if out_path else None
@@ -126,7 +163,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
         if progress:
             from tqdm import tqdm
 
-            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {cfg.data}", unit="traj",
+            bar = stack.enter_context(tqdm(total=len(problems) * cfg.k, desc=f"eval {'+'.join(cfg.data)}", unit="traj",
                                            disable=None))  # a bar on a terminal only
         seen = {"n": 0, "reward": 0.0, "void": 0}
 
@@ -144,8 +181,7 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
 
         async def main() -> list[Group]:
             try:
-                where = ", ".join(cfg.engine.urls) if cfg.engine.kind == "sglang" else f"local engine ({cfg.engine.model})"
-                await probe_engine(engine, tokenizer, timeout_s=cfg.probe_timeout_s, what=f"engine {where}")
+                await check_engine(engine, tokenizer, cfg.engine, timeout_s=cfg.probe_timeout_s)
                 return await TIRRollout(engine, tokenizer, sandbox, cfg.rollout, verifier=verifier).run(
                     problems, on_done=on_done)
             finally:
@@ -157,5 +193,18 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> tuple[EvalMetrics, li
             os.replace(tmp_path, out_path)
     check_infrastructure(groups, cfg.max_infra_failure_share)
     metrics = compute_metrics(groups, cfg.k)
+    spans, start = [], 0
+    for name, ps in per_dataset:
+        spans.append((name, groups[start:start + len(ps)]))
+        start += len(ps)
+    rows = report_rows(spans)
+    if out_path is not None:
+        from megatron_tir.config_io import to_dict
+
+        report = {"config": to_dict(cfg), "rows": rows,
+                  "overall": {"k": metrics.k, "problems": metrics.problems, "avg_at_k": metrics.avg_at_k,
+                              "pass_at_k": metrics.pass_at_k, "tir": metrics.tir, "diagnostics": metrics.diagnostics,
+                              "status_counts": metrics.status_counts}}
+        metrics_path(out_path).write_text(json.dumps(_json_safe(report), indent=1) + "\n")
     log.info("avg@%d = %.4f over %d problems", cfg.k, metrics.avg_at_k, metrics.problems)
-    return metrics, groups
+    return EvalResult(metrics=metrics, rows=rows, groups=groups)

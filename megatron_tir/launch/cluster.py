@@ -5,7 +5,7 @@ and a cluster file serves every recipe. ``load_cluster(path)`` reads and checks 
 ``check_layout(cluster, layout)`` checks it against a recipe's parallel layout. Every
 problem is a ``ValueError`` with one line that names the file and the key.
 
-One allocation holds every group (no heterogeneous job; see LAUNCH_README_NOTES.md), so all
+One allocation holds every group (no heterogeneous job; see launch/README.md), so all
 groups take their nodes from one partition. ``sglang.nodes: 0`` colocates the SGLang
 servers on the trainer's GPUs; ``sandbox.nodes: 0`` runs the sandbox beside the trainer on
 its first node's CPUs.

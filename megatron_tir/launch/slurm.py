@@ -17,7 +17,7 @@ sandbox processes alive and, on trainer nodes, runs ``torchrun`` once (its exit 
 The groups start sandbox first, then SGLang, then the trainer, whose agents wait until the
 servers' ``/health`` and the broker answer.
 
-nemo-run limits met here (0.11.1; see LAUNCH_README_NOTES.md): its heterogeneous mode copies
+nemo-run limits met here (0.11.1; see launch/README.md): its heterogeneous mode copies
 partition/account/time into every component and renders ``gpus_per_node=None`` literally,
 so no het job is used; a group's ``env_vars`` are ``export``-ed in the batch shell and leak
 into the groups started after it, so per-group variables are set inside each group's

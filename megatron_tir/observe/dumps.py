@@ -15,7 +15,7 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
   ``void: <reason>`` (SimpleTIR: a void turn), ``over-long`` (truncated, ``overlong=mask``),
   ``infrastructure: tool_failed | aborted``, ``no model tokens``.
 
-The same rules the update uses decide these (:func:`megatron_tir.train.batch.build_update`
+The same rules the update uses decide these (:func:`megatron_tir.train.batch.plan_update`
 on the kept groups, :func:`megatron_tir.train.batch.filter_groups` on the others), so a
 dump says exactly what happened. Token ids, loss mask and engine log-probs are added with
 ``trainer.log.dump_tokens=true``.
@@ -89,7 +89,7 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
               accuracy_hi: float) -> dict[tuple[int, int], dict]:
     """``(group_id, sample_index) -> update record`` for every sampled trajectory (see the module docstring)."""
     from megatron_tir.rl import MODES
-    from megatron_tir.train.batch import build_update, filter_groups, to_tensors
+    from megatron_tir.train.batch import filter_groups, plan_update, to_tensors
 
     fates: dict[tuple[int, int], dict] = {}
     kept_ids = {id(g) for g in kept}
@@ -106,13 +106,11 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
         return fates
     rt = to_tensors(kept, pad_id=0)
     gae = advantage == "gae"  # GAE's advantages come from the critic's values: the dump records none
-    update = build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage=None if gae else advantage,
-                          overlong=overlong, low_prob_fraction=low_prob_fraction)
+    plan = plan_update(rt, mode=mode, advantage=None if gae else advantage, overlong=overlong, mini_batches=1)
     drop_void = MODES[mode].drop_void
     trajs = [t for g in kept for t in g.trajectories]
-    has_tokens = (rt.loss_mask_BT.sum(1) > 0).tolist()
     for b, t in enumerate(trajs):
-        in_loss = bool(update.loss_B[b]) and has_tokens[b]
+        in_loss = bool(plan.trained_B[b])
         why = None
         if not in_loss:
             if t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED):
@@ -123,8 +121,8 @@ def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, adv
                 why = "over-long"
             else:
                 why = "no model tokens"
-        fates[(t.group_id, t.sample_index)] = {"in_stats": bool(update.stats_B[b]), "in_loss": in_loss,
-                                               "advantage": None if gae else float(update.advantages_B[b]),
+        fates[(t.group_id, t.sample_index)] = {"in_stats": bool(plan.stats_B[b]), "in_loss": in_loss,
+                                               "advantage": None if gae else float(plan.advantages_B[b]),
                                                "dropped_by": why}
     return fates
 

@@ -66,10 +66,11 @@ def samples_markdown(rows: Sequence[dict]) -> str:
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path, config: dict | None) -> None:
+    def __init__(self, run_dir: Path, config: dict | None, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(run_dir / "tb"))
+        # purge_step: TensorBoard drops the events of earlier sessions at steps >= it (a resume re-runs them)
+        self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
         if config is not None:
             self._tb.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "), 0)
 
@@ -161,16 +162,17 @@ def _mlflow_key(key: str) -> str:
     return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in key)
 
 
-def open_trackers(cfg: LogConfig, run_dir: str | os.PathLike, config: dict | None = None) -> list[Tracker]:
+def open_trackers(cfg: LogConfig, run_dir: str | os.PathLike, config: dict | None = None, *,
+                  purge_step: int | None = None) -> list[Tracker]:
     """The trackers ``cfg.loggers`` names besides jsonl (which :class:`~megatron_tir.train.metrics.MetricsSink`
-    writes itself), in that order."""
+    writes itself), in that order. ``purge_step``: TensorBoard hides earlier events at steps >= it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out: list[Tracker] = []
     try:
         for name in cfg.loggers:
             if name == "tensorboard":
-                out.append(TensorBoardTracker(run_dir, config))
+                out.append(TensorBoardTracker(run_dir, config, purge_step))
             elif name in ("wandb", "mlflow"):
                 try:
                     out.append((WandbTracker if name == "wandb" else MlflowTracker)(run_dir, cfg, config))

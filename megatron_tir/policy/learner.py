@@ -27,8 +27,9 @@ head (``megatron_tir.policy.value_head``), its backbone loaded from the policy's
 trained by a value loss (``megatron_tir.policy.losses.ValueLoss``); ``values`` reads it.
 
 Checkpoints (model + optimizer + scheduler) are saved and loaded by
-``megatron_tir.policy.checkpoint.learner_io``. Every rank passes the same full batch; rows
-are dealt to the data-parallel replicas here. On CPU the model is float32 (16-bit
+``megatron_tir.policy.checkpoint.learner_io``. Every rank passes the same full batch and rows
+are dealt to the data-parallel replicas here, or (``local_rows=True``) each replica passes the
+rows the caller dealt it (the trainer's rollout source). On CPU the model is float32 (16-bit
 parameters need a GPU); FP8 needs Transformer Engine and a GPU.
 """
 
@@ -185,13 +186,15 @@ class Learner:
             self._forward_backward = get_forward_backward_func()
         return self._forward_backward
 
-    def _micro_batches(self, attention_mask_BT: torch.Tensor) -> list[MicroBatch]:
+    def _micro_batches(self, attention_mask_BT: torch.Tensor, local_rows: bool) -> list[MicroBatch]:
+        """This rank's micro-batches: of all rows (dealt here), or of the rows the caller dealt it."""
         from megatron.core import parallel_state
 
+        dealt = not local_rows and parallel_state.get_data_parallel_world_size() > 1
         return plan_microbatches(attention_mask_BT, max_tokens=self.config.max_tokens_per_microbatch,
                                  pad_to=self.config.pad_multiple,
-                                 dp_rank=parallel_state.get_data_parallel_rank(),
-                                 dp_size=parallel_state.get_data_parallel_world_size())
+                                 dp_rank=parallel_state.get_data_parallel_rank() if dealt else 0,
+                                 dp_size=parallel_state.get_data_parallel_world_size() if dealt else 1)
 
     def _run(self, micro_batches: list[MicroBatch], tokens_BT: torch.Tensor, loss_for, *, forward_only: bool):
         """The schedule over ``micro_batches``; ``loss_for(mb, inputs)`` -> loss function of the model output."""
@@ -221,22 +224,26 @@ class Learner:
             raise ValueError(f"token ids outside the vocabulary [0, {self.spec.vocab_size})")
 
     @staticmethod
-    def _gather_rows(out_BT: torch.Tensor, contributes: bool) -> torch.Tensor:
-        """Every rank gets the full ``[B, T]``: each row is filled by one (last stage, TP rank 0) rank."""
+    def _gather_rows(out_BT: torch.Tensor, contributes: bool, local_rows: bool) -> torch.Tensor:
+        """Every rank gets the full ``[B, T]``: each row is filled by one (last stage, TP rank 0) rank
+        of the world, or (``local_rows``) of this rank's model-parallel group."""
+        from megatron.core import parallel_state
+
         if not contributes:
             out_BT.zero_()
-        torch.distributed.all_reduce(out_BT)
+        torch.distributed.all_reduce(out_BT, group=parallel_state.get_model_parallel_group() if local_rows else None)
         return out_BT
 
     def forward(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, output_fn: OutputFn,
-                names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+                names: tuple[str, ...], *, local_rows: bool = False) -> dict[str, torch.Tensor]:
         """``{name: [B, T] float32}`` for each of ``names``: what ``output_fn(model output, inputs)``
-        returns per token for each micro-batch (0 on padding), on every rank. Forward only. Collective."""
+        returns per token for each micro-batch (0 on padding), on every rank. Forward only. Collective.
+        ``local_rows``: the rows are this data-parallel replica's only (see ``train_step``)."""
         from megatron.core import parallel_state
 
         self._check_batch(tokens_BT, attention_mask_BT)
         self._check_vocab(tokens_BT)
-        micro_batches = self._micro_batches(attention_mask_BT)
+        micro_batches = self._micro_batches(attention_mask_BT, local_rows)
         device = next(self._model.parameters()).device
 
         def loss_for(mb: MicroBatch, tokens_bL: torch.Tensor):
@@ -260,34 +267,42 @@ class Learner:
                 if mb.weight:
                     for n in names:
                         mb.unpack(res[n], outs[n])
-        stacked = self._gather_rows(torch.stack([outs[n] for n in names]), contributes).cpu()  # one host read
+        stacked = self._gather_rows(torch.stack([outs[n] for n in names]), contributes, local_rows).cpu()  # one host read
         return dict(zip(names, stacked))
 
     def logprobs(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 with_entropy: bool = False, local_rows: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The policy's ``[B, T]`` float32: column t = log p(token t | tokens < t) under ``logits /
         temperature``; 0 at each row's first token and on padding. With ``with_entropy`` also the
         ``[B, T]`` entropy of the distribution that predicted each token (same columns). Collective."""
         if self.value_head:
             raise ValueError("a critic (learner.head=value) has no log-probs: use values()")
         output_fn = TokenOutputs(temperature=temperature, with_entropy=with_entropy)
-        out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names)
+        out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names, local_rows=local_rows)
         return (out["logprobs"], out["entropy"]) if with_entropy else out["logprobs"]
 
-    def values(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    def values(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *,
+               local_rows: bool = False) -> torch.Tensor:
         """A critic's ``[B, T]`` float32 values, aligned as the log-probs: column t = V(tokens < t),
         the value of the state in which token t was sampled; 0 at each row's first token and on
-        padding. Collective."""
+        padding. Collective. ``local_rows``: as in ``forward``."""
         if not self.value_head:
             raise ValueError("values() needs a critic (learner.head=value)")
-        return self.forward(tokens_BT, attention_mask_BT, ValueOutputs(), ValueOutputs.names)["values"]
+        return self.forward(tokens_BT, attention_mask_BT, ValueOutputs(), ValueOutputs.names,
+                            local_rows=local_rows)["values"]
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, aggregation: str = "token_mean") -> StepResult:
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, aggregation: str = "token_mean",
+                   local_rows: bool = False) -> StepResult:
         """Zero grads, forward/backward of ``loss_fn(model output, inputs)`` over micro-batches, one
         optimizer step. ``loss_fn`` returns a per-token loss ``[b, L]`` and per-token metrics; the
-        learner weights them by the loss mask under ``aggregation``. Collective."""
+        learner weights them by the loss mask under ``aggregation``. Collective.
+
+        ``local_rows``: ``batch`` holds only this data-parallel replica's rows (the caller dealt
+        them; every rank of a replica passes the same rows, at least one, loss mask 0 allowed);
+        the aggregation's token / row count is summed over the replicas, so the update is the
+        one of the whole mini-batch."""
         from megatron.core import parallel_state
 
         if self.frozen:
@@ -300,15 +315,17 @@ class Learner:
         attn_BT = batch.attention_mask_BT.bool()
         loss_mask_BT = batch.loss_mask_BT.float() * attn_BT
         row_tokens_B = loss_mask_BT.sum(dim=1)
-        if aggregation == "token_mean":
-            total = float(row_tokens_B.sum())
-            weight_BT = loss_mask_BT / max(total, 1.0)
-        else:
-            total = float((row_tokens_B > 0).sum())
-            weight_BT = loss_mask_BT / row_tokens_B.clamp(min=1.0).unsqueeze(1) / max(total, 1.0)
+        # token_mean: each loss token weighs 1 / (loss tokens); seq_mean: 1 / (row's tokens x rows with tokens)
+        per_token_BT = loss_mask_BT if aggregation == "token_mean" else loss_mask_BT / row_tokens_B.clamp(min=1.0)[:, None]
+        total = float(row_tokens_B.sum()) if aggregation == "token_mean" else float((row_tokens_B > 0).sum())
+        if local_rows and parallel_state.get_data_parallel_world_size() > 1:  # the count over every replica's rows
+            count = torch.tensor([total], dtype=torch.float64, device=next(self._model.parameters()).device)
+            torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+            total = float(count.item())
+        weight_BT = per_token_BT / max(total, 1.0)
         if total == 0:
             raise ValueError("loss_mask_BT selects no tokens: nothing to train on")
-        micro_batches = self._micro_batches(attn_BT)
+        micro_batches = self._micro_batches(attn_BT, local_rows)
         device = next(self._model.parameters()).device
         # the schedule divides each micro-batch's loss by their number and DDP averages over replicas
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
@@ -345,11 +362,14 @@ class Learner:
             lr = self.lr
             ok, grad_norm, _ = self.optimizer.step()
             assert ok, "optimizer reported an overflow after the finiteness check"
+        weights_finite = self.weights_finite()
+        if not weights_finite:
+            log.error("non-finite weights after optimizer step %d (grad norm %.4g)", self.step, grad_norm)
         t_opt = time.perf_counter()
         loss = totals.pop("loss", 0.0)
         return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=skipped, lr=lr, metrics=totals,
                           timings={"forward_backward": t_fb - t0, "optimizer": t_opt - t_fb, "total": t_opt - t0},
-                          padding_share=padding_share(micro_batches))
+                          padding_share=padding_share(micro_batches), weights_finite=weights_finite)
 
     @staticmethod
     def _sum_reports(reports: list[dict]) -> dict[str, float]:
@@ -377,6 +397,19 @@ class Learner:
             if not torch.isfinite(buffer.grad_data.sum()):
                 bad.fill_(1.0)
                 break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
+
+    def weights_finite(self) -> bool:
+        """True when every weight of every rank is finite. Collective: on the weights' device, one sum per
+        contiguous parameter buffer (distributed optimizer) or per parameter, one flag all-reduced; one
+        host read per call (once per optimizer step)."""
+        device = next(self._model.parameters()).device
+        ddp_buffers = getattr(self._model, "buffers", None)  # DDP's param buffers (a frozen learner has none)
+        buffers = [b.param_data for b in ddp_buffers] if isinstance(ddp_buffers, list) else []
+        tensors = buffers if buffers and all(t is not None for t in buffers) else list(self._model.parameters())
+        sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])  # non-finite iff an element is (or overflow)
+        bad = (~torch.isfinite(sums)).any().float().to(device)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 

@@ -188,7 +188,7 @@ class TrainBatch:
 
     ``attention_mask_BT`` marks each row's tokens (one contiguous span; padding on either
     side); ``loss_mask_BT`` (float) says which tokens are trained (the trainer has already
-    multiplied it by the trajectories' trainable flags); ``extras`` are row-aligned tensors
+    applied the row roles of megatron_tir.rl.rows); ``extras`` are row-aligned tensors
     (``[B]`` or ``[B, T]``: old log-probs, advantages, ...) handed to ``loss_fn`` per micro-batch.
     """
 
@@ -222,3 +222,4 @@ class StepResult:
     metrics: dict[str, float]
     timings: dict[str, float]
     padding_share: float
+    weights_finite: bool = True  # every weight of every rank finite after the step (one reduction)

@@ -149,7 +149,7 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
             tensors: list[torch.Tensor] | None = None
             if gathering:
                 local = local_names[p.megatron]
-                full = _gather_tp(params[local], local, gated=True)
+                full = _gather_tp(params[local], p.megatron, gated=True)  # (the key map's name: either spec)
                 tensors = keymap.to_hf(p, full, spec)
                 if is_sender_tp and rank != 0:
                     for t in tensors:

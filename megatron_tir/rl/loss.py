@@ -94,11 +94,15 @@ class PolicyLoss:
     """The Learner's ``LossFn``: ``(logprobs_BT, entropy_BT | None, extras) -> (loss_BT, metrics_BT)``.
 
     ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
-    ``kl_coef > 0``). ``max_ratio_tensor`` keeps the largest importance ratio seen on loss
-    tokens since :meth:`reset` (the Learner reports means only), on the device of the loss
-    and without reading it to the host (no synchronisation per micro-batch); ``max_ratio``
-    reads it (once per step). ``high_ratio_bound`` (mode
-    high_ratio_filter): tokens whose ratio exceeds it get no loss.
+    ``kl_coef > 0``). With ``behaviour_weights_BT`` (asynchronous training's off-policy
+    correction, :mod:`megatron_tir.rl.offpolicy`; ``old_logprobs_BT`` is then the proximal
+    policy) the clipped surrogate of each token is multiplied by its detached weight; without
+    it nothing is multiplied (synchronous training's loss, bit for bit).
+    ``max_ratio_tensor`` keeps the largest importance ratio seen on loss tokens since
+    :meth:`reset` (the Learner reports means only), on the device of the loss and without
+    reading it to the host (no synchronisation per micro-batch); ``max_ratio`` reads it (once
+    per step). ``high_ratio_bound`` (mode high_ratio_filter): tokens whose ratio exceeds it get
+    no loss.
     """
 
     def __init__(self, config: LossConfig, *, high_ratio_bound: float | None = None) -> None:
@@ -121,6 +125,10 @@ class PolicyLoss:
         loss_BT, metrics = clipped_surrogate_BT(logprobs_BT, extras["old_logprobs_BT"], extras["advantages_BT"],
                                                 clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                                 dual_clip=cfg.dual_clip)
+        if "behaviour_weights_BT" in extras:
+            w_BT = extras["behaviour_weights_BT"].detach()
+            loss_BT = loss_BT * w_BT
+            metrics["behaviour_weight"] = w_BT.float()
         if "loss_mask_BT" in extras:  # ratios are > 0: masked tokens count as 0
             seen = torch.where(extras["loss_mask_BT"] > 0, metrics["ratio"], 0.0).max()
             prev = self.max_ratio_tensor

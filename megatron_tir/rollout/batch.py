@@ -3,14 +3,13 @@
 Layout of :class:`RolloutBatch` (B trajectories, T = longest prompt + response):
 every ``*_BT`` tensor is aligned with ``tokens_BT``; column ``t`` describes token ``t``.
 ``loss_mask_BT[b, t]`` is 1 when token ``t`` was sampled by the policy (a model token of
-the response), 0 for prompt, feedback and padding; ``old_logprobs_BT[b, t]`` is the
+the response), 0 for prompt, feedback and padding; ``engine_logprobs_BT[b, t]`` is the
 engine's log-prob of that token where the mask is 1, else 0; ``versions_BT[b, t]`` is the
 weight version of the engine that sampled it where the mask is 1, else -1. A trainer that computes
 ``logp(token t | tokens < t)`` from the logits at ``t - 1`` compares against column ``t``.
 Trajectories keep their group order (group-major), ``group_index_B`` says which group
-(prompt) each row belongs to, ``trainable_B`` is False for void trajectories (SimpleTIR),
-failed tool infrastructure and engine aborts -- their rewards still belong to their
-group's statistics.
+(prompt) each row belongs to. Which rows a trainer trains is not decided here
+(:mod:`megatron_tir.rl.rows`).
 """
 
 from __future__ import annotations
@@ -51,14 +50,13 @@ class RolloutBatch:
     tokens_BT: torch.Tensor  # long: prompt + response ids, right-padded with pad_id
     attention_mask_BT: torch.Tensor  # bool: real tokens
     loss_mask_BT: torch.Tensor  # float: 1 on policy-sampled response tokens
-    old_logprobs_BT: torch.Tensor  # float: engine log-probs where loss_mask is 1, else 0
+    engine_logprobs_BT: torch.Tensor  # float: the engine's (behaviour) log-probs where loss_mask is 1, else 0
     versions_BT: torch.Tensor  # long: weight version that sampled the token where loss_mask is 1, else -1
     response_start_B: torch.Tensor  # long: index of the first response token (= prompt length)
     lengths_B: torch.Tensor  # long: prompt + response length
     rewards_B: torch.Tensor  # float
     group_index_B: torch.Tensor  # long: position of the row's group in the input (0..G-1)
     sample_index_B: torch.Tensor  # long
-    trainable_B: torch.Tensor  # bool: False for void / tool_failed / aborted trajectories
     void_B: torch.Tensor  # bool
 
     @property
@@ -110,14 +108,13 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
         tokens_BT=tokens,
         attention_mask_BT=attn,
         loss_mask_BT=mask,
-        old_logprobs_BT=old_lp,
+        engine_logprobs_BT=old_lp,
         versions_BT=versions,
         response_start_B=torch.tensor([len(t.prompt_ids) for _, t in rows], dtype=torch.long),
         lengths_B=torch.tensor(lengths, dtype=torch.long),
         rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
         group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
         sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
-        trainable_B=torch.tensor([t.trainable for _, t in rows], dtype=torch.bool),
         void_B=torch.tensor([t.void for _, t in rows], dtype=torch.bool),
     )
 

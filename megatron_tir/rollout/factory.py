@@ -11,7 +11,9 @@
   :class:`~megatron_tir.rollout.sandbox.ClusterSandbox`.
 * :func:`probe_engine` and :func:`probe_sandbox` send one tiny request each and raise
   :class:`InfrastructureError` (one line, saying what did not answer) when it fails, so
-  a run does not start against an engine or a sandbox that is not there.
+  a run does not start against an engine or a sandbox that is not there;
+  :func:`check_sandbox` / :func:`check_engine` are those checks as eval and the trainer run
+  them (naming where they looked).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class SandboxConfig:
             raise ValueError(f"sandbox address must be tcp://, ipc:// or inproc://, got {self.address!r}")
         if not self.probe_timeout_s > 0:
             raise ValueError(f"sandbox probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        if self.address is None and self.workers < 1:
+            raise ValueError(f"sandbox workers must be >= 1 for the local cluster, got {self.workers}")
 
 
 def resolve_model_dir(cfg: EngineConfig) -> Path:
@@ -176,3 +180,16 @@ async def probe_sandbox(sandbox: Sandbox, *, timeout_s: float = 60.0, what: str 
         raise InfrastructureError(f"{what} did not run print(1): {type(exc).__name__}: {exc}") from None
     if res.status is not Status.OK or res.stdout != "1\n":
         raise InfrastructureError(f"{what} did not run print(1): {res.status.value} {res.message}".rstrip())
+
+
+
+async def check_sandbox(sandbox: Sandbox, cfg: SandboxConfig, *, timeout_s: float | None = None) -> None:
+    """The start-up check of eval and the trainer (before the engine loads): the sandbox runs ``print(1)``."""
+    where = cfg.address or "the local sandbox cluster"
+    await probe_sandbox(sandbox, timeout_s=timeout_s or cfg.probe_timeout_s, what=f"sandbox at {where}")
+
+
+async def check_engine(engine: GenerationEngine, tokenizer, cfg: EngineConfig, *, timeout_s: float = 120.0) -> None:
+    """The start-up check of eval and the trainer: the engine answers a 1-token request."""
+    where = ", ".join(cfg.urls) if cfg.kind == "sglang" else f"local engine ({cfg.model})"
+    await probe_engine(engine, tokenizer, timeout_s=timeout_s, what=f"engine {where}")

@@ -30,13 +30,14 @@ class FinishStatus(str, enum.Enum):
     COMPLETED = "completed"  # a final answer: an answer turn, or final_answer() output
     TRUNCATED = "truncated"  # the response-token budget ran out (not inside a void turn)
     MAX_TURNS = "max_turns"  # the turn budget ran out after a code turn
-    VOID = "void"  # a void turn (SimpleTIR): excluded from the policy loss
+    VOID = "void"  # ended on a void turn (SimpleTIR); which modes train it: megatron_tir.rl.rows
     TOOL_FAILED = "tool_failed"  # the sandbox infrastructure failed (not the model's code)
     ABORTED = "aborted"  # the engine aborted a request (pause, shutdown, server error)
 
 
-# Statuses whose tokens a policy update may use; see Trajectory.trainable.
-UNTRAINABLE = frozenset({FinishStatus.VOID, FinishStatus.TOOL_FAILED, FinishStatus.ABORTED})
+# Ended by the infrastructure, not the model: such rows count nowhere in an update (megatron_tir.rl.rows)
+# and an eval or a run with too many of them stops instead of reporting on the model.
+INFRA_STATUSES = frozenset({FinishStatus.TOOL_FAILED, FinishStatus.ABORTED})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,12 +148,6 @@ class Trajectory:
     @property
     def void(self) -> bool:
         return self.status is FinishStatus.VOID
-
-    @property
-    def trainable(self) -> bool:
-        """May the policy loss use this trajectory? Not when void (SimpleTIR), when the
-        sandbox infrastructure failed, or when the engine aborted it."""
-        return self.status is not None and self.status not in UNTRAINABLE
 
     @property
     def has_void_turn(self) -> bool:

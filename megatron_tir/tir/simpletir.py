@@ -29,7 +29,7 @@ The code here is written for this project; only the strings and rules are Simple
 Where this project departs on purpose (exact sampled tokens are kept instead of a
 decode/re-tokenize round trip; an infrastructure failure ends the trajectory instead of
 reading as empty output; ``strip_string``'s normalisation is left to math-verify) is
-listed in PROTOCOL_README_NOTES.md.
+listed in docs/protocol.md (the "simpletir departures from SimpleTIR" row).
 """
 
 from __future__ import annotations

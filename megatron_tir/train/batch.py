@@ -1,8 +1,17 @@
 """From scored groups to what the Learner trains on: group filter, row roles, advantages, masks.
 
-``RolloutTensors`` is the part of a rollout every trainer rank needs (rank 0 builds it from the
-groups and broadcasts it); :func:`build_update` turns it into the ``TrainBatch`` of one step
-with the rules of :mod:`megatron_tir.rl.rows` (which rows count where, the mode's filters).
+On rank 0 (:class:`~megatron_tir.train.rollout_source.RolloutSource`):
+
+1. :func:`collect_groups` -- dynamic sampling; the group filter reads per-row summaries
+   (reward, status, group: :func:`row_summaries`), never ``[B, T]`` tensors;
+2. :func:`plan_update` -- the kept groups collated (:func:`to_tensors`), each row's roles
+   (:func:`megatron_tir.rl.rows.row_weights`), advantages over *every* counted row (void rows
+   included), then only the rows some token of which is trained (:class:`TrainRows`), each
+   with its mini-batch; rows no mode trains go no further (no log-probs are computed for them);
+3. :func:`deal_rows` -- each data-parallel replica's share of every mini-batch.
+
+On every rank, with its share: :func:`build_update` (old log-probs in, the low-prob token
+filter, the ``TrainBatch``) and :func:`mini_batches`.
 """
 
 from __future__ import annotations
@@ -15,45 +24,54 @@ import torch
 
 from megatron_tir.policy.learner_config import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
+from megatron_tir.rl.offpolicy import correction_BT
 from megatron_tir.rollout.batch import Group, collate
-from megatron_tir.rollout.trajectory import FinishStatus
+from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus
 
 
 SAMPLING_STRATEGIES = ("rounds", "oversample")
 
 
 @dataclass(kw_only=True, slots=True)
+class RowSummaries:
+    """Per trajectory of a list of groups (group-major): what the group filter and the row roles read."""
+    rewards_B: torch.Tensor
+    group_index_B: torch.Tensor  # position of the row's group in the list
+    void_B: torch.Tensor
+    infra_B: torch.Tensor  # ended by infrastructure (megatron_tir.rollout.trajectory.INFRA_STATUSES)
+    truncated_B: torch.Tensor
+
+
+def row_summaries(groups: Sequence[Group]) -> RowSummaries:
+    trajs = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    if any(t.reward is None for _, t in trajs):
+        raise ValueError("a trajectory has no reward")
+    return RowSummaries(
+        rewards_B=torch.tensor([float(t.reward) for _, t in trajs], dtype=torch.float32),
+        group_index_B=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
+        void_B=torch.tensor([t.status is FinishStatus.VOID for _, t in trajs], dtype=torch.bool),
+        infra_B=torch.tensor([t.status in INFRA_STATUSES for _, t in trajs], dtype=torch.bool),
+        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for _, t in trajs], dtype=torch.bool))
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutTensors:
+    """Kept groups collated (rank 0): the per-token inputs of the advantages and the rows."""
     tokens_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in build_update
-    engine_logprobs_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in plan_update
+    engine_logprobs_BT: torch.Tensor  # the engine's log-probs of the sampled tokens (behaviour policy)
     versions_BT: torch.Tensor  # weight version that sampled each loss token (collate); -1 elsewhere
-    rewards_B: torch.Tensor
-    group_index_B: torch.Tensor
-    void_B: torch.Tensor
-    infra_B: torch.Tensor  # tool_failed or aborted
-    truncated_B: torch.Tensor
     turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
-
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens_BT.shape[0]
+    rows: RowSummaries
 
 
 def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
     rb = collate(groups, pad_id=pad_id)
-    trajs = [t for g in groups for t in g.trajectories]
-    return RolloutTensors(
-        tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-        engine_logprobs_BT=rb.old_logprobs_BT, versions_BT=rb.versions_BT, rewards_B=rb.rewards_B, group_index_B=rb.group_index_B,
-        void_B=rb.void_B,
-        infra_B=torch.tensor([t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED) for t in trajs]),
-        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for t in trajs]),
-        turn_index_BT=_turn_index_BT(trajs, rb.tokens_BT.shape))
+    return RolloutTensors(tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
+                          engine_logprobs_BT=rb.engine_logprobs_BT, versions_BT=rb.versions_BT,
+                          turn_index_BT=_turn_index_BT([t for g in groups for t in g.trajectories], rb.tokens_BT.shape),
+                          rows=row_summaries(groups))
 
 
 def _turn_index_BT(trajs, shape) -> torch.Tensor:
@@ -71,60 +89,164 @@ def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: 
     ``overlong="drop"`` truncated rows do not count (``min_rows``: counted rows a group needs)."""
     if not groups:
         return [], {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
-    rt = to_tensors(groups, pad_id=0)
-    stats_B, _ = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B, drop_void=False,
+    s = row_summaries(groups)
+    stats_B, _ = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B, drop_void=False,
                              overlong="drop" if overlong == "drop" else "keep")
-    keep_G, removed = group_keep_G(rt.rewards_B, rt.group_index_B, stats_B, drop_zero_std=drop_zero_std,
+    keep_G, removed = group_keep_G(s.rewards_B, s.group_index_B, stats_B, drop_zero_std=drop_zero_std,
                                    accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi, min_rows=min_rows)
     return [g for g, k in zip(groups, keep_G.tolist()) if k], removed
 
 
 @dataclass(kw_only=True, slots=True)
-class Update:
-    batch: TrainBatch  # rows with at least one loss token
-    group_of_row: torch.Tensor  # [B'] group index of each kept row (for mini-batch splits)
-    advantages_B: torch.Tensor  # [B] of the full rollout (mean over its loss tokens for Reinforce++)
-    stats_B: torch.Tensor
-    loss_B: torch.Tensor
-    low_prob_masked: int  # tokens the low-prob filter removed
-    rows_B: torch.Tensor  # [B] bool: the rollout's rows in ``batch``
+class TrainRows:
+    """Rows that are trained, with everything a rank needs to train them (row-aligned tensors)."""
+    tokens_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor  # the row roles applied: 1 on the model tokens that get gradient
+    engine_logprobs_BT: torch.Tensor
+    advantages_BT: torch.Tensor  # 0 with a critic (GAE fills them in: megatron_tir.train.critic_update)
+    rewards_B: torch.Tensor  # the rows' outcome rewards (the critic's token rewards)
+    versions_BT: torch.Tensor  # long: weight version that sampled each loss token, -1 elsewhere
+    turn_index_BT: torch.Tensor  # long: turn index of each model token, -1 elsewhere
+    mini_batch_B: torch.Tensor  # long: the mini-batch (0..n-1) the row belongs to
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def select(self, index: Sequence[int]) -> TrainRows:
+        """The rows ``index`` (in that order), right padding cut to their longest row."""
+        idx = torch.as_tensor(list(index), dtype=torch.long)
+        attn = self.attention_mask_BT[idx]
+        T = int(attn.any(0).nonzero().max()) + 1 if attn.any() else 1
+        return TrainRows(**{k: v[idx][:, :T] if v.dim() == 2 else v[idx] for k, v in self.tensors().items()})
+
+    def stand_in(self, row: int, mini_batch: int) -> TrainRows:
+        """Row ``row`` with no loss token, in ``mini_batch``: a replica's share when it has no row (it
+        runs so the collectives match, and counts for nothing)."""
+        one = self.select([row])
+        one.loss_mask_BT = torch.zeros_like(one.loss_mask_BT)
+        one.mini_batch_B = torch.tensor([mini_batch])
+        return one
+
+    @staticmethod
+    def cat(parts: Sequence[TrainRows]) -> TrainRows:
+        T = max(p.tokens_BT.shape[1] for p in parts)
+
+        def pad(name: str, v: torch.Tensor) -> torch.Tensor:
+            if v.dim() == 1:
+                return v
+            return torch.nn.functional.pad(v, (0, T - v.shape[1]), value=_PAD.get(name, 0))
+        return TrainRows(**{f.name: torch.cat([pad(f.name, getattr(p, f.name)) for p in parts])
+                            for f in fields(TrainRows)})
 
 
-def build_update(rt: RolloutTensors, old_logprobs_BT: torch.Tensor, *, mode: str, advantage: str | None,
-                 overlong: str, low_prob_fraction: float,
-                 ref_logprobs_BT: torch.Tensor | None = None) -> Update:
-    spec = MODES[mode]
-    stats_B, loss_B = row_weights(void_B=rt.void_B, infra_B=rt.infra_B, truncated_B=rt.truncated_B,
-                                  drop_void=spec.drop_void, overlong=overlong)
-    if advantage is None:  # the critic's GAE fills them in (megatron_tir.train.critic_update)
+_PAD = {"versions_BT": -1, "turn_index_BT": -1}  # what a padding column holds (0 elsewhere)
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdatePlan:
+    """Rank 0's view of one update: the trained rows and what the metrics report of every row."""
+    rows: TrainRows
+    stats_B: torch.Tensor  # of every collated row: in the advantage statistics
+    trained_B: torch.Tensor  # of every collated row: some token of it gets gradient (= rows)
+    advantages_B: torch.Tensor  # of every collated row: mean advantage over its model tokens
+
+
+def plan_update(rt: RolloutTensors, *, mode: str, advantage: str | None, overlong: str,
+                mini_batches: int) -> UpdatePlan:
+    """Row roles and advantages (megatron_tir.rl.rows; ``advantage`` None: zeros, a critic's GAE
+    fills them in), then the trained rows in ``mini_batches`` mini-batches of whole groups (fewer
+    when there are fewer groups), in group order."""
+    s = rt.rows
+    stats_B, loss_B = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B,
+                                  drop_void=MODES[mode].drop_void, overlong=overlong)
+    # advantages over every counted row first: void rows shape their group's statistics
+    if advantage is None:
         adv_BT = torch.zeros_like(rt.loss_mask_BT, dtype=torch.float32)
     else:
-        adv_BT = ADVANTAGE_ESTIMATORS[advantage](rt.rewards_B, rt.group_index_B, stats_B, rt.loss_mask_BT)
-    adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)  # per row, for metrics
+        adv_BT = ADVANTAGE_ESTIMATORS[advantage](s.rewards_B, s.group_index_B, stats_B, rt.loss_mask_BT)
+    adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)
     mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
+    trained_B = mask_BT.sum(1) > 0
+    groups = s.group_index_B[trained_B]
+    mini_batch_B = torch.zeros_like(groups)
+    unique = torch.unique(groups)
+    for k, chunk in enumerate(torch.tensor_split(unique, min(mini_batches, max(len(unique), 1)))):
+        mini_batch_B[torch.isin(groups, chunk)] = k
+    rows = TrainRows(tokens_BT=rt.tokens_BT[trained_B], attention_mask_BT=rt.attention_mask_BT[trained_B],
+                     loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rt.engine_logprobs_BT[trained_B],
+                     advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B], versions_BT=rt.versions_BT[trained_B],
+                     turn_index_BT=rt.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
+    return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B)
+
+
+def deal_rows(rows: TrainRows, dp_size: int) -> list[TrainRows]:
+    """Each data-parallel replica's rows: per mini-batch, longest row first, round robin (the rule
+    of ``megatron_tir.policy.microbatch``, so a replica's micro-batches are the ones the Learner
+    would have dealt it from the whole batch); a replica left without a row of a mini-batch gets a
+    stand-in (:meth:`TrainRows.stand_in`)."""
+    lengths = rows.attention_mask_BT.sum(1).tolist()
+    shares: list[list[TrainRows]] = [[] for _ in range(dp_size)]
+    for k in range(int(rows.mini_batch_B.max()) + 1 if rows.batch_size else 0):
+        members = sorted(torch.nonzero(rows.mini_batch_B == k).flatten().tolist(), key=lambda b: (-lengths[b], b))
+        for r in range(dp_size):
+            mine = sorted(members[r::dp_size])  # in row order: the Learner sorts them the same way again
+            shares[r].append(rows.select(mine) if mine else rows.stand_in(members[0], k))
+    return [TrainRows.cat(parts) for parts in shares]
+
+
+@dataclass(kw_only=True, slots=True)
+class Update:
+    batch: TrainBatch  # this rank's rows
+    mini_batch_B: torch.Tensor  # [B'] mini-batch of each row
+    low_prob_masked: int  # tokens the low-prob filter removed
+
+
+def build_update(rows: TrainRows, old_logprobs_BT: torch.Tensor, *, mode: str, low_prob_fraction: float,
+                 ref_logprobs_BT: torch.Tensor | None = None) -> Update:
+    """The ``TrainBatch`` of ``rows``: ``old_logprobs_BT`` (the learner's recompute, or the engine's)
+    and the mode's low-prob token filter."""
+    mask_BT = rows.loss_mask_BT
     low_prob_masked = 0
-    if spec.low_prob_filter:
+    if MODES[mode].low_prob_filter:
         keep_BT = low_prob_keep_BT(old_logprobs_BT, mask_BT, low_prob_fraction)
         low_prob_masked = int(((1 - keep_BT) * mask_BT).sum())
         mask_BT = mask_BT * keep_BT
-    rows = mask_BT.sum(1) > 0
-    extras = {"old_logprobs_BT": old_logprobs_BT[rows], "advantages_BT": adv_BT[rows], "loss_mask_BT": mask_BT[rows],
-              "turn_index_BT": rt.turn_index_BT[rows]}
+    extras = {"old_logprobs_BT": old_logprobs_BT, "advantages_BT": rows.advantages_BT, "loss_mask_BT": mask_BT,
+              "turn_index_BT": rows.turn_index_BT}
     if ref_logprobs_BT is not None:
-        extras["ref_logprobs_BT"] = ref_logprobs_BT[rows]
-    batch = TrainBatch(tokens_BT=rt.tokens_BT[rows], attention_mask_BT=rt.attention_mask_BT[rows],
-                       loss_mask_BT=mask_BT[rows], extras=extras)
-    return Update(batch=batch, group_of_row=rt.group_index_B[rows], advantages_B=adv_B, stats_B=stats_B,
-                  loss_B=loss_B, low_prob_masked=low_prob_masked, rows_B=rows)
+        extras["ref_logprobs_BT"] = ref_logprobs_BT
+    batch = TrainBatch(tokens_BT=rows.tokens_BT, attention_mask_BT=rows.attention_mask_BT, loss_mask_BT=mask_BT,
+                       extras=extras)
+    return Update(batch=batch, mini_batch_B=rows.mini_batch_B, low_prob_masked=low_prob_masked)
+
+
+def with_behaviour_weights(batch: TrainBatch, behaviour_logprobs_BT: torch.Tensor, *, cap: float,
+                           mode: str) -> tuple[TrainBatch, dict[str, float]]:
+    """``batch`` with the off-policy correction of asynchronous training (:func:`megatron_tir.rl.offpolicy.correction_BT`):
+    ``extras["behaviour_weights_BT"]`` against its ``old_logprobs_BT`` (the proximal policy) and, in
+    ``mask`` mode, the over-cap tokens out of the loss mask; ``behaviour_logprobs_BT`` are the
+    engine's for the batch's rows. Returns the batch and the correction's metrics."""
+    w_BT, mask_BT, stats = correction_BT(batch.extras["old_logprobs_BT"], behaviour_logprobs_BT, batch.loss_mask_BT,
+                                         cap=cap, mode=mode)
+    extras = batch.extras | {"behaviour_weights_BT": w_BT, "loss_mask_BT": mask_BT}
+    return TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT, loss_mask_BT=mask_BT,
+                      extras=extras), stats
 
 
 def mini_batches(update: Update, n: int) -> list[TrainBatch]:
-    """``n`` mini-batches of whole groups, in group order (fewer when there are fewer groups)."""
-    groups = torch.unique(update.group_of_row)
+    """The ``n`` mini-batches of ``update`` (by the rows' ``mini_batch_B``; rows of ones past the last
+    group are none: a plan of fewer groups than ``n`` has fewer mini-batches)."""
     out = []
-    for chunk in torch.tensor_split(groups, min(n, len(groups))):
-        rows = torch.isin(update.group_of_row, chunk)
-        b = update.batch
+    b = update.batch
+    for k in range(n):
+        rows = update.mini_batch_B == k
+        if not bool(rows.any()):
+            break
         out.append(TrainBatch(tokens_BT=b.tokens_BT[rows], attention_mask_BT=b.attention_mask_BT[rows],
                               loss_mask_BT=b.loss_mask_BT[rows], extras={k: v[rows] for k, v in b.extras.items()}))
     return out

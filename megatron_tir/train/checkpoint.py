@@ -8,6 +8,7 @@ in ``megatron_tir.policy.checkpoint.layout``)::
                              ``tir-ckpt`` reads; later learners (``critic``) sit beside it by name
     step_N/trainer_state.json  step, data position, metrics pointer, override history, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
+    step_N/manifest.json     size and CRC-32 of every file above (``megatron_tir.policy.checkpoint.manifest``)
     latest                   a text file naming the newest complete step directory
 
 A save writes everything into ``.tmp-step_N`` and makes it visible with one ``rename`` after
@@ -15,6 +16,13 @@ every file and directory is fsynced; ``latest`` is then replaced atomically (tem
 fsync, ``os.replace``). A process killed at any moment leaves the previous checkpoint
 complete and ``latest`` naming it; leftover ``.tmp-*`` directories are removed by the next
 save. ``keep_last`` newest checkpoints are kept, older ones pruned.
+
+Integrity: the dist writer hashes the learners' files while writing them and the manifest
+is written before the rename; a model with non-finite weights is never saved. ``load``
+verifies every byte (the ranks share the reading) and falls back to the newest intact
+checkpoint, warning with the damaged file's name (``strict``: it refuses instead). A save
+that runs out of disk raises one line with the space it needs, after removing its partial
+directory (``checkpoint_integrity``).
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.policy.checkpoint import manifest
 from megatron_tir.policy.checkpoint.layout import CHECKPOINTS_DIR, LATEST, STEP_PREFIX, latest_step
 from megatron_tir.policy.checkpoint.layout import TRAINER_STATE as STATE
+from megatron_tir.train import checkpoint_integrity as integrity
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +92,31 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _broadcast_path(path: Path | None) -> Path | None:
-    """Rank 0's ``path`` on every rank."""
+def _broadcast_obj(obj):
+    """Rank 0's ``obj`` (picklable) on every rank."""
     if _rank()[1] == 1:
-        return path
-    obj = [None if path is None else str(path)]
-    torch.distributed.broadcast_object_list(obj, src=0)
-    return None if obj[0] is None else Path(obj[0])
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_dicts(mine: dict) -> dict:
+    """The union of every rank's ``mine``, on every rank."""
+    if _rank()[1] == 1:
+        return dict(mine)
+    parts: list = [None] * _rank()[1]
+    torch.distributed.all_gather_object(parts, dict(mine))
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _gather_list(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if _rank()[1] == 1:
+        return [obj]
+    parts: list = [None] * _rank()[1]
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
 
 
 def rng_state() -> dict:
@@ -131,25 +159,45 @@ class RunCheckpoints:
         """The newest complete checkpoint directory, or None."""
         return latest_step(self.dir.parent)
 
-    def save(self, learners: Mapping, state: TrainerState) -> Path:
-        """Save every learner of ``learners`` (name -> learner) and ``state`` as ``step_N``."""
+    def save(self, learners: Mapping, state: TrainerState) -> Path | None:
+        """Save every learner of ``learners`` (name -> learner) and ``state`` as ``step_N``, with a manifest
+        of its files; None (nothing written) when a learner's weights are not finite."""
         _check_learners(learners)
         rank, _ = _rank()
         final = self.dir / f"{STEP_PREFIX}{state.step}"
         tmp = self.dir / f".tmp-{STEP_PREFIX}{state.step}"
+        for name, learner in learners.items():
+            finite = getattr(learner, "weights_finite", None)
+            if finite is not None and not finite():  # collective; a non-finite model is never saved
+                log.error("step %d: the weights of %s are not finite: no checkpoint saved (the newest stays %s)",
+                          state.step, name, (self.latest() or self.dir).name)
+                return None
+        previous = next(iter(integrity.candidates(self.dir)), None) if rank == 0 else None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for old in self.dir.glob(".tmp-*"):
                 shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir()
         _barrier()
-        for name, learner in learners.items():
-            self._save_learner(learner, tmp / name)
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-        _barrier()
+        try:
+            with manifest.recording() as recorded:  # the dist writer hashes what it writes
+                for name, learner in learners.items():
+                    self._save_learner(learner, tmp / name)
+                torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+            recorded = _gather_dicts(recorded)
+            _barrier()
+            if rank == 0:
+                (tmp / STATE).write_text(json.dumps(state.to_json(), indent=1))
+                manifest.write_manifest(tmp, recorded)
+                _fsync_tree(tmp)
+        except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+            if rank == 0:
+                full = integrity.disk_full(exc, partial=tmp, target=final, previous=previous)
+                shutil.rmtree(tmp, ignore_errors=True)
+                if full is not None:
+                    raise full from None
+            raise
         if rank == 0:
-            (tmp / STATE).write_text(json.dumps(state.to_json(), indent=1))
-            _fsync_tree(tmp)
             if final.exists():  # the same step saved again (a rerun after a resume): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -173,20 +221,34 @@ class RunCheckpoints:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, learners: Mapping, path: Path | None = None) -> TrainerState:
-        """Restore each of ``learners`` (by name) and this rank's RNG from ``path`` (default: latest);
-        the trainer state."""
+    def load(self, learners: Mapping, path: Path | None = None, *, strict: bool = False) -> TrainerState:
+        """Restore each of ``learners`` (by name) and this rank's RNG from ``path`` (default: the newest
+        intact checkpoint: a damaged one -- against its manifest, or holding non-finite weights -- is
+        skipped with a warning naming the file, or refused when ``strict``); the trainer state."""
         _check_learners(learners)
-        rank, _ = _rank()
-        path = _broadcast_path((path or self.latest()) if rank == 0 else None)
-        if path is None or not (path / STATE).is_file():
+        rank, world = _rank()
+        found = _broadcast_obj([path] if path is not None else integrity.candidates(self.dir))  # rank 0's view
+        if not found or not (found[0] / STATE).is_file():
             raise ValueError(f"no complete checkpoint in {self.dir}")
-        missing = [name for name in learners if not (path / name).is_dir()]
-        if missing:
-            raise ValueError(f"checkpoint {path} has no learner {missing[0]!r} "
-                             f"(it holds: {', '.join(sorted(p.name for p in path.iterdir() if p.is_dir()))})")
-        for name, learner in learners.items():
-            self._load_learner(learner, path / name)
+        for i, path in enumerate(found):
+            # every byte read once: each rank hashes its share of the files
+            whys = _gather_list(integrity.problem(path, deep=True, part=(rank, world)))
+            why = next((w for w in whys if w is not None), None)
+            if why is None:
+                missing = [name for name in learners if not (path / name).is_dir()]
+                if missing:
+                    raise ValueError(f"checkpoint {path} has no learner {missing[0]!r} (it holds: "
+                                     f"{', '.join(sorted(p.name for p in path.iterdir() if p.is_dir()))})")
+                for name, learner in learners.items():
+                    self._load_learner(learner, path / name)
+                    finite = getattr(learner, "weights_finite", None)
+                    if why is None and finite is not None and not finite():
+                        why = f"checkpoint {path}: {name} holds non-finite weights"
+            if why is None:
+                break
+            integrity.refuse(why, strict=strict)
+            if i == len(found) - 1:
+                raise ValueError(f"no intact checkpoint in {self.dir} (the oldest: {why})")
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():  # absent when the world size changed: RNG streams start fresh
             set_rng_state(torch.load(rng, weights_only=False))

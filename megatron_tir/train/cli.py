@@ -1,6 +1,8 @@
 """``megatron-tir train``: argument parsing and run setup.
 
-    megatron-tir train --recipe NAME [--set key=value ...] --out RUN_DIR
+    megatron-tir train --recipe NAME [--set key=value ...] [key=value ...] --out RUN_DIR
+    megatron-tir train --config FILE.yaml [--set key=value ...] --out RUN_DIR
+    megatron-tir config --recipe NAME [--set key=value ...] > FILE.yaml
     megatron-tir train --resume RUN_DIR [--set key=value ...]
 
 Every trainer rank runs ``train`` (torchrun/SPMD; RANK/WORLD_SIZE from the environment,
@@ -13,21 +15,51 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
+CHECKPOINTS_DIR = "checkpoints"
+# what a run writes into its directory (a directory holding only these and no checkpoint can be reused)
+RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "rollouts", "wandb",
+               "mlruns", "wandb_run_id", "mlflow_run_id")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--recipe", help="tiny-cpu | smollm2-cpu | qwen2.5-7b-simpletir | qwen2.5-32b-simpletir")
+    src.add_argument("--config", metavar="FILE",
+                     help="a config file: YAML from `megatron-tir config`, or a run's config.json")
     src.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
-    p.add_argument("--out", metavar="RUN_DIR", help="a new run directory (with --recipe)")
+    p.add_argument("--out", metavar="RUN_DIR", help="a new run directory (with --recipe or --config)")
+    _add_override_args(p)
+
+
+def _add_override_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. rollout.max_turns=10 (repeatable)")
+    p.add_argument("pairs", nargs="*", default=[], metavar="KEY=VALUE", help="overrides as bare key=value, like --set")
+
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """``--set`` values, then bare ``key=value`` arguments (applied in that order)."""
+    bare = list(getattr(args, "pairs", []) or [])
+    bad = [a for a in bare if "=" not in a]
+    if bad:
+        raise ValueError(f"unexpected argument {bad[0]!r} (overrides are key=value)")
+    return list(args.overrides) + bare
+
+
+def fresh_config(args: argparse.Namespace):
+    """The config of a new run: ``--recipe`` or ``--config`` with the overrides on top."""
+    from megatron_tir.train.config import apply_overrides, load_recipe
+    from megatron_tir.train.config_file import load_config_file
+
+    base = load_recipe(args.recipe) if args.recipe is not None else load_config_file(args.config)
+    return apply_overrides(base, overrides_of(args))
 
 
 def _rank() -> int:
@@ -36,47 +68,86 @@ def _rank() -> int:
 
 def prepare(args: argparse.Namespace):
     """(config, run dir, trainer state, overrides to record) from the arguments; ValueError on bad input."""
-    from megatron_tir.train.checkpoint import STATE, RunCheckpoints, TrainerState
-    from megatron_tir.train.config import apply_overrides, from_dict, load_recipe, to_dict
+    from megatron_tir.train import checkpoint_integrity as integrity
+    from megatron_tir.train.checkpoint import STATE, TrainerState
+    from megatron_tir.train.config import apply_overrides, from_dict, to_dict
+    from megatron_tir.train.preflight import check_start
 
-    if args.recipe is not None:
+    overrides = overrides_of(args)
+    if args.resume is None:
         if not args.out:
-            raise ValueError("--recipe needs --out RUN_DIR")
+            raise ValueError(f"{'--recipe' if args.recipe is not None else '--config'} needs --out RUN_DIR")
         run_dir = Path(args.out)
-        if _rank() == 0 and run_dir.exists() and any(p.name not in LAUNCHER_ENTRIES for p in run_dir.iterdir()):
-            raise ValueError(f"--out {run_dir} exists and is not empty (continue it with --resume {run_dir})")
-        cfg = apply_overrides(load_recipe(args.recipe), args.overrides)
+        _check_out_dir(run_dir)
+        cfg = fresh_config(args)
         state = TrainerState()
     else:
         if args.out:
-            raise ValueError("--out is only used with --recipe (a resumed run stays in its directory)")
+            raise ValueError("--out is only used with --recipe or --config (a resumed run stays in its directory)")
         run_dir = Path(args.resume)
         config_path = run_dir / CONFIG_FILE
         if not config_path.is_file():
             raise ValueError(f"--resume {run_dir}: no {CONFIG_FILE} (not a run directory)")
-        latest = RunCheckpoints(run_dir, keep_last=1).latest()
-        if latest is None:
-            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet")
-        state = TrainerState(**json.loads((latest / STATE).read_text()))
         try:
             cfg = from_dict(json.loads(config_path.read_text()))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{config_path}: {exc}") from None
-        cfg = apply_overrides(cfg, args.overrides)
+        cfg = apply_overrides(cfg, overrides)
+        if not integrity.candidates(run_dir / CHECKPOINTS_DIR):
+            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet (a directory without one is "
+                             f"reused by --recipe NAME --out {run_dir}, which starts it fresh)")
+        # sizes and the trainer state on every rank (cheap); every byte is verified on load (rank 0)
+        latest = integrity.pick(run_dir / CHECKPOINTS_DIR, strict=cfg.trainer.checkpoint.strict_resume, deep=False)
+        state = TrainerState(**json.loads((latest / STATE).read_text()))
+    check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
     if cfg.trainer.steps <= state.step:
         raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
     recorded = [{"step": state.step + 1, "key": k, "value": v}
-                for k, _, v in (o.partition("=") for o in args.overrides)]
+                for k, _, v in (o.partition("=") for o in overrides)]
     state.overrides = state.overrides + recorded
     state.config = to_dict(cfg)
     return cfg, run_dir, state
 
 
+def _check_out_dir(run_dir: Path) -> None:
+    """``--out`` is new, or a run directory without a checkpoint (a failed or early-stopped start: it is
+    reused and started fresh), or holds only what the launcher put there; ValueError otherwise."""
+    from megatron_tir.train import checkpoint_integrity as integrity
+
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} exists and is not a directory")
+    if integrity.candidates(run_dir / CHECKPOINTS_DIR):
+        raise ValueError(f"--out {run_dir} holds a run with checkpoints (continue it with --resume {run_dir})")
+    entries = {p.name for p in run_dir.iterdir()}
+    foreign = sorted(entries - set(LAUNCHER_ENTRIES) - set(RUN_ENTRIES))
+    if foreign:
+        raise ValueError(f"--out {run_dir} exists and is not a run directory (it holds {', '.join(foreign[:3])})")
+    if entries - set(LAUNCHER_ENTRIES):
+        log.warning("--out %s: reusing a run directory that holds no checkpoint; the run starts fresh", run_dir)
+
+
 def run_train_command(args: argparse.Namespace) -> int:
+    """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2. Once the
+    run has started, an engine or sandbox failure or a stop (``InfrastructureError``) is one line,
+    exit 1; non-finite training likewise; anything else is exit 1 with its traceback in the log
+    (not "bad input")."""
+    from megatron_tir.finite import NonFiniteTraining
+    from megatron_tir.rollout.factory import InfrastructureError
     from megatron_tir.train.run import run_training
 
     cfg, run_dir, state = prepare(args)
-    state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    try:
+        state = run_training(cfg, run_dir, state, resume=args.resume is not None)
+    except InfrastructureError:
+        raise
+    except NonFiniteTraining as exc:
+        print(f"megatron-tir: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a defect or an environment problem mid-run, not the user's input
+        log.exception("training failed at rank %d", _rank())
+        return 1
     if _rank() == 0:
         print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
         for line in held_out_summary(run_dir / "metrics.jsonl"):
@@ -96,11 +167,28 @@ def held_out_summary(metrics_path: Path) -> list[str]:
     return lines
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", required=True, help="the recipe whose resolved config is printed")
+    _add_override_args(p)
+
+
+def run_config_command(args: argparse.Namespace) -> int:
+    """Print a recipe's resolved config (with the overrides) as YAML, for ``train --config``."""
+    from megatron_tir.train.config import apply_overrides, load_recipe
+    from megatron_tir.train.config_file import dump_yaml
+
+    cfg = apply_overrides(load_recipe(args.recipe), overrides_of(args))
+    sys.stdout.write(dump_yaml(cfg, source=f"recipe {args.recipe}" + "".join(f" {o}" for o in overrides_of(args))))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``train`` to the ``megatron-tir`` subcommands (``plot`` lives in :mod:`megatron_tir.observe.cli`)."""
+    """Add ``train`` and ``config`` to the ``megatron-tir`` subcommands (``plot``: :mod:`megatron_tir.observe.cli`)."""
     for name, help_text, add_args, func in (
-            ("train", "GRPO training with multi-turn TIR rollouts (recipes, --set overrides, --resume)",
-             add_train_args, run_train_command),):
+            ("train", "GRPO training with multi-turn TIR rollouts (recipes, config files, --set overrides, --resume)",
+             add_train_args, run_train_command),
+            ("config", "print a recipe's resolved config as YAML (edit it, then train --config FILE)",
+             add_config_args, run_config_command)):
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(func=func)

@@ -30,18 +30,21 @@ from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.train.batch import SAMPLING_STRATEGIES
 from megatron_tir.train.critic_update import CriticConfig
-from megatron_tir.train.schedule import TurnScheduleConfig
+from megatron_tir.train.turn_schedule import TurnScheduleConfig
 from megatron_tir.tir import PromptConfig
 
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
 DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
 OLD_LOGPROBS = ("learner", "engine")
+ASYNC_MODES = ("off",)
+ASYNC_KEY = "trainer.async"  # the CLI spelling of trainer.asynchrony (``async`` is a Python keyword)
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    train: str = "arithmetic"  # "arithmetic" (generated) | aime24 | math500 | math_train | a parquet file
-    eval: str = "arithmetic"  # held-out prompts: "arithmetic" draws from a disjoint seed
+    # "arithmetic" | "tir_mix" (generated: megatron_tir.data.tasks) | aime24 | math500 | math_train | a parquet file
+    train: str = "arithmetic"
+    eval: str = "arithmetic"  # held-out prompts: a generated task draws its held-out split
     eval_size: int = 16  # held-out prompts per evaluation (0: no evaluation)
     eval_samples: int = 1  # samples per held-out prompt
     eval_temperature: float | None = None  # None: the rollout temperature
@@ -133,6 +136,7 @@ class CheckpointConfig:
     every: int = 0  # steps between run checkpoints (0: only at the end)
     minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
     keep_last: int = 2
+    strict_resume: bool = False  # --resume refuses a damaged newest checkpoint instead of falling back
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -141,6 +145,42 @@ class CheckpointConfig:
             raise ValueError(f"minutes must be >= 0, got {self.minutes}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True, slots=True)
+class StopConfig:
+    """When the run stops because it cannot learn (exit 1 with the cause; nothing new is saved)."""
+    infra_failure_share: float = 0.5  # a step whose trajectories infrastructure ended more than this share of
+    steps_without_update: int = 3  # this many consecutive steps without an optimizer update
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.infra_failure_share <= 1:
+            raise ValueError(f"infra_failure_share must be in [0, 1], got {self.infra_failure_share}")
+        if self.steps_without_update < 1:
+            raise ValueError(f"steps_without_update must be >= 1, got {self.steps_without_update}")
+
+
+@dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    """Asynchronous training (``--set trainer.async=MODE``, ``trainer.async.KEY=...``): ``off`` is
+    synchronous (rollouts, update, sync, in turn). In the other modes the loss takes the decoupled
+    objective (:mod:`megatron_tir.rl.offpolicy`): the PPO ratio against the learner's recompute at
+    the start of the step (the proximal policy), times a detached behaviour weight
+    ``pi_prox / pi_engine`` per token, the engine's log-probs of the tokens it sampled being the
+    behaviour policy's."""
+    mode: str = "off"
+    correction: str = "clamp"  # clamp (truncated IS, min(w, cap)) | mask (tokens with w > cap leave the loss) | off (w = 1)
+    cap: float = 2.0  # C of the behaviour weight
+
+    def __post_init__(self) -> None:
+        from megatron_tir.rl.offpolicy import CORRECTIONS
+
+        if self.mode not in ASYNC_MODES:
+            raise ValueError(f"mode must be one of {', '.join(ASYNC_MODES)}, got {self.mode!r}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if not self.cap >= 1:
+            raise ValueError(f"cap must be >= 1, got {self.cap}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,8 +193,13 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
+    asynchrony: AsyncConfig = field(default_factory=AsyncConfig)  # on the command line: trainer.async
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
+    # consecutive steps with a skipped (non-finite gradients) optimizer step or non-finite weights
+    # after one before the run stops (a non-finite model is never saved)
+    stop_after_nonfinite: int = 3
     seed: int = 0
     progress: bool = True
 
@@ -165,6 +210,11 @@ class TrainerConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.asynchrony.mode != "off" and self.ppo.old_logprobs != "learner":
+            raise ValueError(f"trainer.async={self.asynchrony.mode} needs trainer.ppo.old_logprobs=learner (the "
+                             f"proximal policy; the engine's log-probs are the behaviour policy's)")
+        if self.stop_after_nonfinite < 1:
+            raise ValueError(f"stop_after_nonfinite must be >= 1, got {self.stop_after_nonfinite}")
         if self.ppo.mini_batches > self.sampling.prompts_per_step:
             raise ValueError(f"ppo.mini_batches ({self.ppo.mini_batches}) must be <= sampling.prompts_per_step "
                              f"({self.sampling.prompts_per_step})")
@@ -219,8 +269,9 @@ def tiny_cpu() -> TrainConfig:
 
 
 def smollm2_cpu() -> TrainConfig:
-    """The embedded default: SmolLM2-135M-Instruct learns to compute the generated arithmetic task
-    with code (chat template; the answer is what final_answer() prints or a boxed number)."""
+    """The embedded default: SmolLM2-135M-Instruct learns to solve the generated task family with code
+    (``tir_mix``: six training families at graded difficulty; held out: other seeds and a seventh
+    family; chat template; the answer is what final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
         learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=1024),
@@ -228,7 +279,7 @@ def smollm2_cpu() -> TrainConfig:
                               tool_timeout_s=5.0, prompt=PromptConfig(mode="chat")),
         engine=EngineConfig(max_batch_size=16),
         sandbox=SandboxConfig(workers=2),
-        data=DataConfig(eval_size=32, eval_samples=1),
+        data=DataConfig(train="tir_mix", eval="tir_mix", eval_size=28, eval_samples=1),
         trainer=TrainerConfig(steps=10, sampling=SamplingConfig(prompts_per_step=8), ppo=PPOConfig(epochs=2),
                               filters=FilterConfig(overlong="keep"), checkpoint=CheckpointConfig(every=5),
                               eval_every=5),
@@ -340,11 +391,22 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
     Keys another key decides are refused: ``learner.model`` / ``engine.model`` (the top-level
     ``model``) and ``rollout.void_turn`` (``trainer.mode``).
     """
+    spelled = []
     for item in overrides:
-        key, _, text = item.partition("=")
+        key, eq, text = item.partition("=")
         if key.strip() in DERIVED_KEYS:
             raise ValueError(f"{key.strip()} follows the top-level model; set model={text.strip()} instead")
-    return config_io.apply_overrides(cfg, overrides, decided_by=DECIDED_BY)
+        spelled.append(_async_key(key.strip()) + eq + text if eq else item)
+    return config_io.apply_overrides(cfg, spelled, decided_by=DECIDED_BY)
+
+
+def _async_key(key: str) -> str:
+    """``trainer.async`` -> ``trainer.asynchrony.mode``; ``trainer.async.K`` -> ``trainer.asynchrony.K``."""
+    if key == ASYNC_KEY:
+        return "trainer.asynchrony.mode"
+    if key.startswith(ASYNC_KEY + "."):
+        return "trainer.asynchrony." + key[len(ASYNC_KEY) + 1:]
+    return key
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -53,28 +53,39 @@ class CriticConfig:
             raise ValueError(f"kl_reward_coef must be >= 0, got {self.kl_reward_coef}")
 
 
-def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, local_rows: bool = False) -> torch.Tensor:
+    """Whitened over the masked entries of the batch (``local_rows``: of every data-parallel replica's rows)."""
     m = mask_BT.float()
-    n = m.sum().clamp(min=1)
-    mean = (x_BT * m).sum() / n
-    var = (((x_BT - mean) * m) ** 2).sum() / n
-    return (x_BT - mean) * torch.rsqrt(var + eps) * m
+    sums = torch.stack([m.sum(), (x_BT * m).sum(), (x_BT * x_BT * m).sum()]).double()
+    if local_rows and torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        from megatron_tir.policy.parallel import collective_device
+
+        if parallel_state.get_data_parallel_world_size() > 1:
+            sums = sums.to(collective_device())
+            torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            sums = sums.cpu()
+    n = sums[0].clamp(min=1)
+    mean = sums[1] / n
+    var = (sums[2] / n - mean * mean).clamp(min=0)
+    return ((x_BT - mean) * torch.rsqrt(var + eps) * m).float()
 
 
 def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, critic, cfg: CriticConfig, *,
                    model_mask_BT: torch.Tensor, behaviour_BT: torch.Tensor | None = None,
-                   ref_BT: torch.Tensor | None = None) -> tuple[TrainBatch, dict[str, float]]:
+                   ref_BT: torch.Tensor | None = None, local_rows: bool = False) -> tuple[TrainBatch, dict[str, float]]:
     """``batch`` (the update's rows) with GAE ``advantages_BT``, ``returns_BT`` and
     ``old_values_BT`` in its extras, and the metrics. ``model_mask_BT``: the rows' model-token
     mask (before any token filter: the MDP's steps); ``rewards_B`` the rows' outcome rewards."""
-    values_BT = critic.values(batch.tokens_BT, batch.attention_mask_BT) * model_mask_BT
+    values_BT = critic.values(batch.tokens_BT, batch.attention_mask_BT, local_rows=local_rows) * model_mask_BT
     if cfg.kl_reward_coef > 0 and (behaviour_BT is None or ref_BT is None):
         raise ValueError("critic.kl_reward_coef > 0 needs the behaviour and the reference log-probs")
     rewards_BT = token_rewards_BT(rewards_B, model_mask_BT, logprobs_BT=behaviour_BT, ref_logprobs_BT=ref_BT,
                                   kl_coef=cfg.kl_reward_coef)
     adv_BT, returns_BT = gae_BT(rewards_BT, values_BT, model_mask_BT, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.whiten:
-        adv_BT = _whiten(adv_BT, batch.loss_mask_BT)
+        adv_BT = _whiten(adv_BT, batch.loss_mask_BT, local_rows=local_rows)
     extras = dict(batch.extras, advantages_BT=adv_BT * batch.loss_mask_BT, returns_BT=returns_BT,
                   old_values_BT=values_BT)
     on = model_mask_BT > 0
@@ -93,10 +104,10 @@ def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, critic, cfg: Crit
                       loss_mask_BT=batch.loss_mask_BT, extras=extras), metrics
 
 
-def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str) -> dict[str, float]:
+def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, local_rows: bool = False) -> dict[str, float]:
     """One optimizer step of the critic on the mini-batch's value loss (its model tokens only)."""
     from megatron_tir.policy.losses import ValueLoss
 
-    r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation)
+    r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation, local_rows=local_rows)
     return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
             "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped)}

@@ -1,7 +1,8 @@
 """Where a run's prompts come from: a resumable training stream and a fixed held-out set.
 
 The training stream is a pure function of its position (prompts drawn so far): the
-generated arithmetic task is indexed directly; a dataset is read in a fresh seeded
+generated tasks (``arithmetic``, the ``tir_mix`` family of :mod:`megatron_tir.data.tasks`)
+are indexed directly; a dataset is read in a fresh seeded
 permutation each epoch. Saving the position in a run checkpoint is enough to resume it.
 """
 
@@ -11,6 +12,7 @@ import random
 
 from megatron_tir.data.arithmetic import HELD_OUT, TRAIN, arithmetic_problem, arithmetic_problems
 from megatron_tir.data.problems import Problem
+from megatron_tir.data.tasks import MIX, mix_problem, mix_problems
 from megatron_tir.train.config import DataConfig
 
 ARITHMETIC = "arithmetic"
@@ -21,13 +23,15 @@ class PromptStream:
         self.config = config
         self.position = position
         self._problems: list[Problem] | None = None
-        if config.train != ARITHMETIC:
+        if config.train not in (ARITHMETIC, MIX):
             from megatron_tir.data import load_problems
 
             self._problems = load_problems(config.train)
 
     def _at(self, pos: int) -> Problem:
         c = self.config
+        if c.train == MIX:
+            return mix_problem(pos, seed=c.shuffle_seed, split=TRAIN)
         if self._problems is None:
             return arithmetic_problem(pos, seed=c.shuffle_seed, split=TRAIN, digits=c.arithmetic_digits,
                                       terms=c.arithmetic_terms)
@@ -45,6 +49,8 @@ class PromptStream:
 def held_out_problems(config: DataConfig) -> list[Problem]:
     if config.eval_size == 0:
         return []
+    if config.eval == MIX:
+        return mix_problems(config.eval_size, seed=config.shuffle_seed, split=HELD_OUT)
     if config.eval == ARITHMETIC:
         return arithmetic_problems(config.eval_size, seed=config.shuffle_seed, split=HELD_OUT,
                                    digits=config.arithmetic_digits, terms=config.arithmetic_terms)

@@ -97,6 +97,27 @@ class MetricsSink:
             t.close()
 
 
+class NoMetrics:
+    """The sink of the ranks that write no metrics (all but rank 0): it keeps nothing."""
+
+    offset = 0
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_metrics(run_dir: str | os.PathLike, *, truncate_to: int | None = None, trackers=None) -> MetricsSink | NoMetrics:
+    """Rank 0's :class:`MetricsSink` (``trackers()``: its trackers); :class:`NoMetrics` on the other ranks."""
+    import torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return NoMetrics()
+    return MetricsSink(run_dir, truncate_to=truncate_to, trackers=None if trackers is None else trackers())
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():

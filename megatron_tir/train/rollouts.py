@@ -1,5 +1,8 @@
-"""Rank 0's side of the run: the generation engine, the sandbox cluster, the verifier and the
-async rollout driver, kept alive across steps on one asyncio event loop.
+"""Rank 0's rollout service: the generation engine, the sandbox cluster, the verifier and the
+async rollout driver, kept alive across steps on one asyncio event loop that runs on its own
+thread (:class:`~megatron_tir.train.event_loop.EventLoopThread`), so the main thread is free
+while rollouts run. At start the sandbox and the engine are checked the way ``eval`` checks
+them (``probe_sandbox`` / ``probe_engine``): a run does not start against one that is not there.
 
 New weights reach the engine through its weight sync (``offload`` before training frees a
 colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine); a trajectory in flight never straddles a sync, because a step's
@@ -8,41 +11,51 @@ rollouts have all finished before the update starts.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine, build_weight_sync, open_sandbox
+from megatron_tir.rollout.factory import (EngineConfig, SandboxConfig, build_engine, build_weight_sync, check_engine,
+                                         check_sandbox, open_sandbox)
+from megatron_tir.train.event_loop import EventLoopThread
 
 log = logging.getLogger(__name__)
 
 
-class RolloutWorker:
-    """Owns the engine, the sandbox and the event loop on rank 0 (a context manager)."""
+class RolloutService:
+    """Owns the engine, the sandbox, the verifier and the event-loop thread on rank 0 (a context manager)."""
 
-    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir) -> None:
+    def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir,
+                 tools: bool = True) -> None:
         self._stack = contextlib.ExitStack()
         self._stale_seen = 0
         try:
-            self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir)
+            self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir, tools)
         except BaseException:
             self._stack.close()
             raise
 
-    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg, model_dir) -> None:
+    def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg, model_dir, tools: bool) -> None:
         from megatron_tir.reward import MathVerifier
 
-        self.runner = self._stack.enter_context(asyncio.Runner())
-        self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
+        self.runner = self._stack.enter_context(EventLoopThread())
+        self.sandbox = None
+        if tools:
+            self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
+            self.runner.run(check_sandbox(self.sandbox, sandbox_cfg))
         self.verifier = self._stack.enter_context(MathVerifier(reward_cfg))
         self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
         self._stack.callback(lambda: self.runner.run(self.engine.close()))
+        self.runner.run(check_engine(self.engine, self.tokenizer, engine_cfg))
         self.weight_sync = build_weight_sync(engine_cfg, self.engine)
         self.runner.run(self.weight_sync.start())
         self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
+
+    def submit(self, coro):
+        """Schedule ``coro`` on the service's event loop; a ``concurrent.futures.Future`` of its result."""
+        return self.runner.submit(coro)
 
     def rollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
                 progress: bool = False, desc: str = "rollout") -> list[Group]:
@@ -79,7 +92,7 @@ class RolloutWorker:
     def close(self) -> None:
         self._stack.close()
 
-    def __enter__(self) -> RolloutWorker:
+    def __enter__(self) -> RolloutService:
         return self
 
     def __exit__(self, *exc) -> None:

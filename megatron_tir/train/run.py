@@ -1,4 +1,4 @@
-"""Set up one trainer rank (process groups, learner, rank 0's rollout worker), run the loop, tear down."""
+"""Set up one trainer rank (process groups, learner, the rollout source), run the loop, tear down."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
-from megatron_tir.rollout.sync import drain
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
 from megatron_tir.train.preempt import StopSignals
+from megatron_tir.train.rollout_source import RolloutSource
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +24,11 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     from megatron_tir.model_sources import resolve_model
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.parallel import destroy_parallel, init_parallel
-    from megatron_tir.train.rollouts import RolloutWorker
+    from megatron_tir.train.rollouts import RolloutService
 
     torch.manual_seed(cfg.trainer.seed)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed)
-    rank = torch.distributed.get_rank()
-    worker = None
     try:
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
         reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0 \
@@ -45,19 +40,29 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
                                                  model=cfg.critic.model or cfg.learner.model))
         if resume:
             learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
-            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(learners)
+            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
+                learners, strict=cfg.trainer.checkpoint.strict_resume)
+            if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
+                state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
+                                                      for o in state.overrides[len(loaded.overrides):]]
             state.step, state.data_position = loaded.step, loaded.data_position
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
-        if rank == 0:
-            worker = RolloutWorker(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
-                                   model_dir=resolve_model(cfg.model))
-        if resume:  # the engines start from the base weights: give them the policy's
-            worker.sync_from(learner) if rank == 0 else drain(learner.named_hf_buckets())
-        with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
-            return train(cfg, run_dir, state, learner=learner, worker=worker, reference=reference, critic=critic,
-                         stop=stop)
+
+        def start_service() -> RolloutService:  # rank 0 only
+            service = RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
+                                     model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools)
+            # start-up succeeded: only now does the run directory get its files
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
+            return service
+
+        with RolloutSource(cfg, service_factory=start_service, position=state.data_position,
+                           schedule_switched_at=state.schedule_switched_at) as source:
+            if resume:  # the engines start from the base weights: give them the policy's
+                source.sync_weights(learner)
+            with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
+                return train(cfg, run_dir, state, learner=learner, source=source, reference=reference, critic=critic,
+                             stop=stop)
     finally:
-        if worker is not None:
-            worker.close()
         destroy_parallel()

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from megatron_tir.policy.checkpoint import manifest
 from megatron_tir.policy.checkpoint.hf_io import buffer_address, copy_range
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,19 @@ class _CopyingFileSystem(FileSystem):
             log.info("%s: %d of %d bytes copied file to file", Path(path).name, stream.copied, stream.tell())
 
 
+class _HashingFileSystem(FileSystem):
+    """Files written through it are hashed on the way (``manifest.recording``: a run checkpoint's manifest)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with manifest.hashing_stream(path, mode) as stream:
+            yield stream
+
+
 class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist v1, written by the calling thread (no manager process, no forked writers)."""
 
@@ -148,6 +162,8 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
         if self.copy_sources:
             writer.fs = _CopyingFileSystem(self.copy_sources)
+        elif manifest.is_recording():
+            writer.fs = _HashingFileSystem()
         planner_cls = _ProducingSavePlanner if self.producers is not None else MCoreSavePlanner
         planner = planner_cls(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
         if self.producers is not None:

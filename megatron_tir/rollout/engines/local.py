@@ -11,9 +11,10 @@ How it works
       prefills the newly admitted requests (left-padded, attention mask + per-row
       position ids) and samples their first token, or decodes one token for every
       running request. New requests join the running batch at the next step
-      (continuous batching): their KV cache is left-padded to the batch's length and
-      concatenated along the batch dimension; finished rows leave the batch and
-      all-padding columns are trimmed.
+      (continuous batching); finished rows leave it. How the KV cache is held is the
+      decoder's (:mod:`megatron_tir.rollout.engines.decoders`, ``LocalEngineConfig.decoder``):
+      preallocated per-row slots written in place (Llama / Qwen2 / Mistral layouts), or
+      the HF forward over a left-padded ``DynamicCache`` (any other architecture).
     * Sampling, and which log-prob is returned, is documented in
       :mod:`megatron_tir.rollout.engines.sampling`: ``log_softmax(logits / T)`` of the
       sampled token, before top-k / top-p truncation. Each request owns a
@@ -62,6 +63,7 @@ from megatron_tir.rollout.engines.base import (
     check_resume,
     pause_mode,
 )
+from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
 from megatron_tir.rollout.engines.eos import DEFAULT_EXTRA_EOS_TOKENS, resolve_eos_token_ids
 from megatron_tir.rollout.engines.sampling import sample_tokens
 from megatron_tir.rollout.engines.stop import StopStringMatcher
@@ -70,6 +72,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN = ("sdpa", "eager")
+_DECODERS = ("auto", "slot", "hf")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +89,7 @@ class LocalEngineConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: generation_config + config + tokenizer + extra_eos_tokens
     extra_eos_tokens: tuple[str, ...] = DEFAULT_EXTRA_EOS_TOKENS  # also end a sequence, when in the vocabulary
     attn_implementation: str = "sdpa"  # sdpa | eager
+    decoder: str = "auto"  # slot | hf | auto (slot where the architecture allows); see engines.decoders
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -102,6 +106,8 @@ class LocalEngineConfig:
             raise ValueError(f"eos_token_ids must be non-negative, got {self.eos_token_ids}")
         if self.attn_implementation not in _ATTN:
             raise ValueError(f"attn_implementation must be one of {_ATTN}, got {self.attn_implementation!r}")
+        if self.decoder not in _DECODERS:
+            raise ValueError(f"decoder must be one of {_DECODERS}, got {self.decoder!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
@@ -124,12 +130,10 @@ class _Request:
 
 @dataclass(slots=True)
 class _Batch:
-    """The running requests and their shared, left-padded KV cache (worker-thread state)."""
+    """The running requests and their KV cache (worker-thread state)."""
 
     requests: list[_Request] = field(default_factory=list)
-    cache: object | None = None  # transformers DynamicCache over the cached tokens
-    mask_BT: torch.Tensor | None = None  # 1 where a cached column holds a real token of that row
-    next_pos_B: torch.Tensor | None = None  # position id of each row's pending token
+    cache: object | None = None  # the decoder's state over the cached tokens (engines.decoders)
     pending_B: torch.Tensor | None = None  # last sampled token of each row, not yet in the cache
 
 
@@ -156,6 +160,7 @@ class LocalEngine:
         )
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._check_full_attention()
+        self._decoder = self._make_decoder()
         self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
         self.max_seq_len: int = config.max_seq_len or int(
             getattr(self.model.config, "max_position_embeddings", 0) or 4096
@@ -317,6 +322,14 @@ class LocalEngine:
                 f"LocalEngine batches full-attention decoders only; {type(self.model).__name__} uses {sorted(kinds)}"
             )
 
+    def _make_decoder(self) -> HFDecoder | SlotDecoder:
+        kind = self.config.decoder
+        if kind == "auto":
+            kind = "slot" if supports_slot_decoder(self.model) else "hf"
+        if kind == "slot":
+            return SlotDecoder(self.model, self.device, self.config.max_batch_size)
+        return HFDecoder(self.model, self.device)
+
     def _resolve_eos(self) -> tuple[int, ...]:
         if self.config.eos_token_ids is not None:
             ids = tuple(dict.fromkeys(int(t) for t in self.config.eos_token_ids))
@@ -437,51 +450,23 @@ class LocalEngine:
     @torch.inference_mode()
     def _step(self, admitted: list[_Request]) -> list[_Request]:
         """Prefill the admitted requests, or else decode one token for the running batch."""
+        batch = self._batch
         if admitted:
-            new, logits_BV = self._prefill(admitted)
-            finished = self._advance(new, logits_BV)
-            self._merge(new)
+            # A retracted request resumes where it was: prompt + generated ids.
+            batch.cache, logits_NV = self._decoder.prefill(batch.cache, [r.prompt_ids + r.token_ids for r in admitted])
+            token_N, finished = self._advance(admitted, logits_NV)
+            batch.requests = batch.requests + admitted
+            batch.pending_B = token_N if batch.pending_B is None else torch.cat([batch.pending_B, token_N])
         else:
-            batch = self._batch
-            mask_BT = torch.cat([batch.mask_BT, torch.ones_like(batch.mask_BT[:, :1])], dim=1)
-            out = self.model(
-                input_ids=batch.pending_B[:, None],
-                attention_mask=mask_BT,
-                position_ids=batch.next_pos_B[:, None],
-                cache=batch.cache,
-                use_cache=True,
-            )
-            batch.mask_BT = mask_BT
-            batch.next_pos_B = batch.next_pos_B + 1
-            finished = self._advance(batch, out.logits[:, -1, :])
-        keep = [i for i, r in enumerate(self._batch.requests) if r.finish is None]
-        if len(keep) != len(self._batch.requests):
+            logits_BV = self._decoder.decode(batch.cache, batch.pending_B)
+            batch.pending_B, finished = self._advance(batch.requests, logits_BV)
+        keep = [i for i, r in enumerate(batch.requests) if r.finish is None]
+        if len(keep) != len(batch.requests):
             self._select_rows(keep)
         return finished
 
-    def _prefill(self, requests: list[_Request]) -> tuple[_Batch, torch.Tensor]:
-        from transformers.cache_utils import DynamicCache
-
-        contexts = [r.prompt_ids + r.token_ids for r in requests]  # a retracted request resumes where it was
-        width = max(len(c) for c in contexts)
-        ids_BT = torch.zeros(len(requests), width, dtype=torch.long)
-        mask_BT = torch.zeros(len(requests), width, dtype=torch.long)
-        for row, context in enumerate(contexts):
-            n = len(context)
-            ids_BT[row, width - n:] = torch.tensor(context)
-            mask_BT[row, width - n:] = 1
-        ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
-        position_BT = (mask_BT.cumsum(dim=1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_BT, cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        new = _Batch(requests=list(requests), cache=out.cache, mask_BT=mask_BT,
-                     next_pos_B=mask_BT.sum(dim=1), pending_B=None)
-        return new, out.logits[:, -1, :]
-
-    def _advance(self, batch: _Batch, logits_BV: torch.Tensor) -> list[_Request]:
-        """Sample one token per row, record it, and mark rows that finished."""
-        requests = batch.requests
+    def _advance(self, requests: list[_Request], logits_BV: torch.Tensor) -> tuple[torch.Tensor, list[_Request]]:
+        """Sample one token per row, record it, and mark rows that finished; returns (tokens, finished)."""
         device = logits_BV.device
         temperature_B = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device)
         top_p_B = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device)
@@ -490,7 +475,6 @@ class LocalEngine:
         uniform_BV = torch.stack([torch.rand(vocab, generator=r.rng, device=device) for r in requests])
         token_B, logprob_B = sample_tokens(logits_BV, temperature_B=temperature_B, top_p_B=top_p_B,
                                            top_k_B=top_k_B, uniform_BV=uniform_BV)
-        batch.pending_B = token_B
         finished = []
         version = str(self._weight_version)
         for request, token, logprob in zip(requests, token_B.tolist(), logprob_B.tolist()):
@@ -512,52 +496,17 @@ class LocalEngine:
                 request.finish, request.context_limit = FinishReason.LENGTH, True
             if request.finish is not None:
                 finished.append(request)
-        return finished
-
-    def _merge(self, new: _Batch) -> None:
-        """Join newly prefilled rows to the running batch (left-pad the shorter cache)."""
-        from transformers.cache_utils import DynamicCache
-
-        old = self._batch
-        if not old.requests:
-            self._batch = new
-            return
-        width = max(old.mask_BT.shape[1], new.mask_BT.shape[1])
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        layers = [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
-                  for a, b in zip(old.cache.layers, new.cache.layers, strict=True)]
-        self._batch = _Batch(
-            requests=old.requests + new.requests,
-            cache=DynamicCache(ddp_cache_data=layers),
-            mask_BT=torch.cat([pad(old.mask_BT, 1), pad(new.mask_BT, 1)]),
-            next_pos_B=torch.cat([old.next_pos_B, new.next_pos_B]),
-            pending_B=torch.cat([old.pending_B, new.pending_B]),
-        )
+        return token_B, finished
 
     def _select_rows(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` of the running batch and trim all-padding columns."""
+        """Keep only rows ``keep`` of the running batch (the decoder may reorder them)."""
         batch = self._batch
         if not keep:
             self._batch = _Batch()
             return
-        index = torch.tensor(keep, dtype=torch.long, device=batch.mask_BT.device)
-        mask_BT = batch.mask_BT.index_select(0, index)
-        start = int(mask_BT.any(dim=0).nonzero()[0])
-        for layer in batch.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-            layer.values = layer.values.index_select(0, index)[:, :, start:]
-        batch.requests = [batch.requests[i] for i in keep]
-        batch.mask_BT = mask_BT[:, start:]
-        batch.next_pos_B = batch.next_pos_B.index_select(0, index)
-        batch.pending_B = batch.pending_B.index_select(0, index)
+        batch.cache, order = self._decoder.keep_rows(batch.cache, keep)
+        batch.requests = [batch.requests[i] for i in order]
+        batch.pending_B = batch.pending_B[torch.tensor(order, dtype=torch.long, device=batch.pending_B.device)]
 
     @torch.inference_mode()
     def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:

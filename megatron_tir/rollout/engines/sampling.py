@@ -40,25 +40,59 @@ def sample_tokens(
     ``logits_BV.device``.
     """
     assert logits_BV.ndim == 2 and uniform_BV.shape == logits_BV.shape, (logits_BV.shape, uniform_BV.shape)
-    vocab = logits_BV.shape[1]
     greedy_B = temperature_B <= 0
     temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).float()
     logp_BV = torch.log_softmax(logits_BV.float() / temp_B[:, None], dim=-1)
 
     keep_BV = torch.ones_like(logp_BV, dtype=torch.bool)
     if bool(((top_k_B > 0) | (top_p_B < 1)).any()):
-        # Truncate in probability order; the most likely token is always kept.
-        sorted_logp_BV, order_BV = torch.sort(logp_BV, dim=-1, descending=True, stable=True)
-        sorted_p_BV = sorted_logp_BV.exp()
-        rank_V = torch.arange(vocab, device=logp_BV.device)
-        k_B = torch.where(top_k_B > 0, top_k_B, torch.full_like(top_k_B, vocab))
-        keep_sorted_BV = rank_V[None, :] < k_B[:, None]
-        keep_sorted_BV &= (sorted_p_BV.cumsum(dim=-1) - sorted_p_BV) < top_p_B[:, None].float()
-        keep_sorted_BV[:, 0] = True
-        keep_BV = torch.zeros_like(keep_BV).scatter_(1, order_BV, keep_sorted_BV)
+        keep_BV = _truncation_mask(logp_BV, top_p_B, top_k_B)
 
     gumbel_BV = -torch.log(-torch.log(uniform_BV.float()))
     score_BV = torch.where(keep_BV, logp_BV + gumbel_BV, torch.full_like(logp_BV, -torch.inf))
     token_B = torch.where(greedy_B, logp_BV.argmax(dim=-1), score_BV.argmax(dim=-1))
     logprob_B = logp_BV.gather(1, token_B[:, None]).squeeze(1)
     return token_B, logprob_B
+
+
+TRUNCATION_CANDIDATES = 256  # top-k / top-p are decided among this many best tokens when that suffices
+
+
+def _kept_in_order(sorted_logp_BK: torch.Tensor, top_p_B: torch.Tensor, k_B: torch.Tensor) -> torch.Tensor:
+    """Which of the tokens, in descending stable probability order, top-k and top-p keep (a prefix)."""
+    sorted_p_BK = sorted_logp_BK.exp()
+    rank_K = torch.arange(sorted_logp_BK.shape[1], device=sorted_logp_BK.device)
+    keep_BK = rank_K[None, :] < k_B[:, None]
+    keep_BK &= (sorted_p_BK.cumsum(dim=-1) - sorted_p_BK) < top_p_B[:, None].float()
+    keep_BK[:, 0] = True  # the most likely token is always kept
+    return keep_BK
+
+
+def _truncation_mask(logp_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:
+    """The top-k / top-p keep mask over the vocabulary, in probability order with ties by token id.
+
+    Decided among the best ``TRUNCATION_CANDIDATES`` tokens of each row (a partial sort);
+    a row whose kept set might reach past them, or past a tie at their boundary, is
+    decided over its full sorted vocabulary instead -- the same mask either way.
+    """
+    vocab = logp_BV.shape[1]
+    k_B = torch.where(top_k_B > 0, top_k_B, torch.full_like(top_k_B, vocab))
+    keep_BV = torch.zeros_like(logp_BV, dtype=torch.bool)
+    full_B = torch.ones(logp_BV.shape[0], dtype=torch.bool, device=logp_BV.device)
+    if vocab > TRUNCATION_CANDIDATES:
+        values_BK, index_BK = torch.topk(logp_BV, TRUNCATION_CANDIDATES, dim=-1)
+        index_BK, by_index = index_BK.sort(dim=-1)  # ties by token id, as a stable sort of the row
+        values_BK, by_value = values_BK.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
+        index_BK = index_BK.gather(1, by_value)
+        keep_BK = _kept_in_order(values_BK, top_p_B, k_B)
+        kept_B = keep_BK.sum(dim=-1)
+        # Ranks holding values above the smallest candidate are the row's true first ranks.
+        exact_B = (values_BK > values_BK[:, -1:]).sum(dim=-1)
+        full_B = (kept_B >= TRUNCATION_CANDIDATES) | (kept_B > exact_B)
+        keep_BV.scatter_(1, index_BK, keep_BK & ~full_B[:, None])
+    if bool(full_B.any()):
+        rows = full_B.nonzero().squeeze(1)
+        sorted_logp, order = torch.sort(logp_BV[rows], dim=-1, descending=True, stable=True)
+        keep_sorted = _kept_in_order(sorted_logp, top_p_B[rows], k_B[rows])
+        keep_BV[rows] = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    return keep_BV

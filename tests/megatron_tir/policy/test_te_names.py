@@ -128,7 +128,7 @@ def test_te_style_checkpoint_with_extra_state_converts_to_hf_and_back(parallel_1
     from megatron_tir.policy.checkpoint.megatron_io import load_model, save_model
     from megatron_tir.policy.forward import forward_logits
     from megatron_tir.policy.spec import spec_from_hf_dir
-    from megatron_tir.policy.weights import load_hf_weights
+    from megatron_tir.policy.weights import hf_buckets, load_hf_weights
 
     hf_dir = make_tiny_hf("qwen2", tie_word_embeddings=False)
     spec, config = spec_from_hf_dir(hf_dir)
@@ -138,6 +138,7 @@ def test_te_style_checkpoint_with_extra_state_converts_to_hf_and_back(parallel_1
     _te_style_layer_spec(monkeypatch)
     te_style = build_gpt_model(spec)
     load_hf_weights(te_style, hf_dir, spec)  # the loader takes the model's own sharded keys
+    exported = {n: t for _, bucket in hf_buckets(te_style, spec, 1 << 30) for n, t in bucket}  # and the export
     (tmp_path / "te").mkdir()
     save_model(te_style, tmp_path / "te", spec=spec, hf_config=config, hf_files=hf_dir)
     assert "decoder.layers.0.self_attention.core_attention._extra_state" in te_style.state_dict()
@@ -148,6 +149,7 @@ def test_te_style_checkpoint_with_extra_state_converts_to_hf_and_back(parallel_1
     out = megatron_to_hf(tmp_path / "te", tmp_path / "hf")
     ref, got = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+    assert exported.keys() == ref.keys() and all(torch.equal(ref[n], exported[n]) for n in ref)
     assert torch.equal(_hf_logits(out, ids), want)
     # ... and loads into the local spec
     load_model(plain, tmp_path / "te")

@@ -72,8 +72,10 @@ def test_row_weights_infra_and_overlong():
     assert loss.tolist() == [True, False, False, False]
     stats, loss = row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=False, overlong="keep")
     assert loss.tolist() == [True, False, True, True]
+    stats, loss = row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="drop")
+    assert stats.tolist() == [True, False, False, True] and loss.tolist() == [True, False, False, False]
     with pytest.raises(ValueError, match="overlong"):
-        row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="drop")
+        row_weights(void_B=void, infra_B=infra, truncated_B=trunc, drop_void=True, overlong="clip")
 
 
 def test_reinforce_pp_whitens_returns_over_batch_tokens():
@@ -147,8 +149,6 @@ def test_policy_loss_high_ratio_filter_and_max_ratio():
     torch.testing.assert_close(loss[0], t(1.0, 0.0, 0.0))  # ratios 2.5 and 5 exceed the bound
     assert m["high_ratio_masked"][0].tolist() == [0, 1, 1]
     assert fn.max_ratio == pytest.approx(2.5)  # the masked-out (loss mask 0) token is not counted
-    fn.reset()
-    assert fn.max_ratio == 0.0
 
 
 def test_low_prob_keep_masks_each_rows_lowest_tokens():

@@ -47,7 +47,7 @@ def test_code_feedback_answer(smollm2_tokenizer, sandbox, verifier):
     turn1 = "The product is \\boxed{42}."
     engine, groups = rollout(tok, sandbox, per_turn(turn0, turn1), verifier)
     (t,) = groups[0].trajectories
-    assert t.status is FinishStatus.COMPLETED and not t.void and t.trainable
+    assert t.status is FinishStatus.COMPLETED and not t.void
     assert [x.kind for x in t.turns] == [TurnKind.CODE, TurnKind.ANSWER]
     assert t.final_answer == "42" and t.answer_source == "model" and t.reward == 1.0
     assert t.problem_index == 3 and t.ground_truth == "42"
@@ -93,7 +93,7 @@ def test_void_partial_code_at_length_limit(smollm2_tokenizer, sandbox, verifier)
     turn0 = "```python\n" + "".join(f"x{i} = {i}\n" for i in range(200))
     _, groups = rollout(smollm2_tokenizer, sandbox, per_turn(turn0), verifier, max_response_tokens=40)
     (t,) = groups[0].trajectories
-    assert t.status is FinishStatus.VOID and t.void and not t.trainable
+    assert t.status is FinishStatus.VOID and t.void
     assert t.void_reason == "length cut inside a code block (partial code)"
     assert len(t.response_ids) == 40 and t.loss_mask == [1] * 40 and t.reward == 0.0
 
@@ -122,7 +122,6 @@ def test_max_turns(smollm2_tokenizer, sandbox):
     (t,) = groups[0].trajectories
     assert t.status is FinishStatus.MAX_TURNS and len(t.turns) == 2
     assert all(x.kind is TurnKind.CODE and x.tool.result.stdout == "2\n" for x in t.turns)
-    assert t.trainable
 
 
 def test_feedback_that_does_not_fit_truncates(smollm2_tokenizer, sandbox):
@@ -131,7 +130,7 @@ def test_feedback_that_does_not_fit_truncates(smollm2_tokenizer, sandbox):
     n0 = len(tok.encode(turn0, add_special_tokens=False))
     _, groups = rollout(tok, sandbox, per_turn(turn0, "x"), max_response_tokens=n0 + 20)
     (t,) = groups[0].trajectories
-    assert t.status is FinishStatus.TRUNCATED and t.trainable
+    assert t.status is FinishStatus.TRUNCATED
     assert len(t.response_ids) == n0 and t.turns[0].feedback_tokens == 0 and t.turns[0].tool.feedback == ""
 
 
@@ -142,7 +141,7 @@ def test_sandbox_infrastructure_failure_is_recorded(smollm2_tokenizer, tmp_path)
     _, groups = rollout(smollm2_tokenizer, dead, per_turn("```python\nprint(1)\n```"), tool_timeout_s=0.5)
     dead.close()
     (t,) = groups[0].trajectories
-    assert t.status is FinishStatus.TOOL_FAILED and not t.trainable and not t.void
+    assert t.status is FinishStatus.TOOL_FAILED and not t.void
     assert t.turns[0].tool.status == "sandbox_error" and "no reply" in t.turns[0].tool.result.message
 
 
@@ -183,10 +182,10 @@ def test_collate_layout(smollm2_tokenizer, sandbox, verifier):
         assert batch.tokens_BT[b, p + r:].eq(0).all() and not batch.attention_mask_BT[b, p + r:].any()
         assert batch.loss_mask_BT[b, :p].eq(0).all()
         assert batch.loss_mask_BT[b, p:p + r].tolist() == [float(m) for m in t.loss_mask]
-        lp = batch.old_logprobs_BT[b]
+        lp = batch.engine_logprobs_BT[b]
         assert lp[p:p + r][batch.loss_mask_BT[b, p:p + r] > 0].eq(SCRIPTED_LOGPROB).all()
         assert lp[batch.loss_mask_BT[b] == 0].eq(0).all()  # feedback NaNs do not leak
-    assert batch.trainable_B.all() and not batch.void_B.any()
+    assert not batch.void_B.any()
 
 
 def test_rollout_config_validation():
@@ -216,6 +215,6 @@ def test_engine_error_is_a_recorded_abort(smollm2_tokenizer, sandbox):
     turn0 = "```python\nprint(5)\n```"
     _, groups = rollout(smollm2_tokenizer, sandbox, per_turn(turn0, "\\boxed{5}"), engine_kw={"fail_on_call": 2})
     (t,) = groups[0].trajectories
-    assert t.status is FinishStatus.ABORTED and not t.trainable and not t.void
+    assert t.status is FinishStatus.ABORTED and not t.void
     assert t.turns[-1].reason == "engine error: RuntimeError: scripted server error"
     assert t.turns[0].tool.result.stdout == "5\n"

@@ -40,7 +40,7 @@ def test_void_turn_stop_ends_the_trajectory(smollm2_tokenizer, sandbox, verifier
     tok = smollm2_tokenizer
     _, _, t = run(tok, sandbox, by_turn(tok.eos_token, "Hmm.", "\\boxed{42}"), verifier, void_turn="stop")
     assert t.status is FinishStatus.VOID and [x.kind for x in t.turns] == [TurnKind.VOID]
-    assert not t.trainable and t.has_void_turn and t.reward == 0.0
+    assert t.status is FinishStatus.VOID and t.has_void_turn and t.reward == 0.0
 
 
 def test_void_turn_continue_goes_on_without_feedback(smollm2_tokenizer, sandbox, verifier):
@@ -48,7 +48,7 @@ def test_void_turn_continue_goes_on_without_feedback(smollm2_tokenizer, sandbox,
     engine, groups, t = run(tok, sandbox, by_turn(tok.eos_token, "Hmm.", "So it is \\boxed{42}."), verifier,
                             void_turn="continue")
     assert [x.kind for x in t.turns] == [TurnKind.VOID, TurnKind.ANSWER]
-    assert t.status is FinishStatus.COMPLETED and t.trainable and not t.void and t.has_void_turn
+    assert t.status is FinishStatus.COMPLETED and not t.void and t.has_void_turn
     assert t.reward == 1.0 and t.final_answer == "42"
     assert t.turns[0].feedback_tokens == 0 and t.turns[0].tool is None
     # nothing between the turns: the second request's context is prompt + the void turn's tokens

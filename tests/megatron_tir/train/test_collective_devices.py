@@ -7,7 +7,7 @@ import torch
 from crafted_rollouts import C, group
 from device_check import DeviceCheckError
 
-from megatron_tir.train.batch import to_tensors
+from megatron_tir.train.rollout_source import StepRollouts
 from megatron_tir.train.config import apply_overrides, tiny_cpu
 
 
@@ -63,8 +63,7 @@ def test_update_policy_runs_in_the_device_check_mode(parallel_1x1, device_check)
     learner = Learner(cfg.learner)
     groups = [group(0, (C, 1.0, (-0.5, -1.0, -2.0)), (C, 0.0, (-0.7, -0.2, -1.5))),
               group(1, (C, 1.0, (-0.1, -3.0, -0.4)), (C, 0.0, (-1.1, -0.9, -2.2)))]
-    rt = to_tensors(groups, pad_id=0)
-    metrics = update_policy(cfg, rt, learner, {}, temperature=1.0)
+    metrics = update_policy(cfg, StepRollouts.of_groups(groups, cfg), learner, {}, temperature=1.0)
     assert device_check.violations == []
     assert metrics["train/optimizer_steps"] == 2.0
     # epoch 1 starts at ratio 1 (old log-probs are the learner's); epoch 2 moved: the max ratio is > 1

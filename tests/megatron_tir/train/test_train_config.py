@@ -94,3 +94,16 @@ def test_a_config_json_with_an_unknown_advantage_is_refused():
     data["trainer"]["ppo"]["advantage"] = "ppo_gae"
     with pytest.raises(ValueError, match="trainer.ppo: advantage must be one of grpo, dr_grpo, reinforce_pp"):
         from_dict(data)
+
+
+def test_trainer_async_is_the_command_line_spelling_of_trainer_asynchrony():
+    cfg = apply_overrides(load_recipe("tiny-cpu"), ["trainer.async=off", "trainer.async.correction=mask",
+                                                   "trainer.async.cap=3"])
+    a = cfg.trainer.asynchrony
+    assert (a.mode, a.correction, a.cap) == ("off", "mask", 3.0)
+    assert load_recipe("tiny-cpu").trainer.asynchrony.correction == "clamp"  # the default
+    for item, message in [("trainer.async=sometimes", "mode must be one of off"),
+                          ("trainer.async.correction=truncate", "correction must be one of clamp, mask, off"),
+                          ("trainer.async.cap=0.5", "cap must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            apply_overrides(load_recipe("tiny-cpu"), [item])

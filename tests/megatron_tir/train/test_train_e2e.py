@@ -44,7 +44,8 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     m = metrics(run)
     assert sorted(m) == [0, 1, 2]
     for step in (1, 2):
-        assert 0 <= m[step]["rollout/void_turn_ratio"] <= 1 and "rollout/void_trajectory_ratio" in m[step]
+        # void_turn=stop (tiny-cpu's mode): a void turn ends its trajectory, so the two shares agree
+        assert m[step]["rollout/void_turn_ratio"] == m[step]["rollout/void_trajectory_ratio"]
         assert math.isfinite(m[step]["train/grad_norm"]) and m[step]["train/grad_norm"] > 0
         assert m[step]["budget/max_turns"] == 2
     assert "eval/reward" in m[0] and "eval/reward" in m[2]

@@ -26,7 +26,7 @@ class _Critic:  # values() of a learner, fixed
     def __init__(self, values_BT):
         self.v = values_BT
 
-    def values(self, tokens_BT, attention_mask_BT):
+    def values(self, tokens_BT, attention_mask_BT, *, local_rows=False):
         return self.v.clone()
 
 

@@ -11,7 +11,7 @@ from megatron_tir.rollout.trajectory import Turn
 from megatron_tir.tir.markup import TurnKind
 from megatron_tir.rollout.engines.base import FinishReason
 from megatron_tir.train.metrics import MetricsSink, plot_run, read_metrics, rollout_metrics
-from megatron_tir.train.schedule import TurnScheduleConfig, plateaued, schedule_due
+from megatron_tir.train.turn_schedule import TurnScheduleConfig, plateaued, schedule_due
 
 
 def test_rollout_metrics_of_crafted_groups():

@@ -12,7 +12,10 @@ from crafted_rollouts import A, C, F, T, V, group
 from megatron_tir.train.batch import (
     build_update,
     collect_groups,
+    deal_rows,
+    filter_groups,
     mini_batches,
+    plan_update,
     to_tensors,
 )
 
@@ -24,20 +27,21 @@ def crafted():
     return [group(0, (C, 1.0), (V, 0.0), (C, 0.0), (F, 1.0)), group(1, (C, 1.0), (T, 0.0), (C, 0.0), (A, 0.0))]
 
 
-def update(mode, overlong="mask", fraction=0.0):
-    rt = to_tensors(crafted(), pad_id=0)
-    return rt, build_update(rt, rt.engine_logprobs_BT, mode=mode, advantage="grpo",
-                            overlong=overlong, low_prob_fraction=fraction)
+def update(mode, overlong="mask", fraction=0.0, advantage="grpo", mini=1):
+    """(the plan of every row, the update of the rows it trains)"""
+    plan = plan_update(to_tensors(crafted(), pad_id=0), mode=mode, advantage=advantage, overlong=overlong,
+                       mini_batches=mini)
+    return plan, build_update(plan.rows, plan.rows.engine_logprobs_BT, mode=mode, low_prob_fraction=fraction)
 
 
 def test_simpletir_void_in_stats_not_in_loss_infra_in_neither():
-    _, u = update("simpletir")
+    p, u = update("simpletir")
     # group 0 stats {1, 0, 0} (tool-failed out): A = (2/3)/sqrt(1/3), (-1/3)/sqrt(1/3); group 1 {1, 0, 0}
     # (aborted out, truncated in): the same numbers
     a, b = (2 / 3) / S3, (-1 / 3) / S3
-    torch.testing.assert_close(u.advantages_B, torch.tensor([a, b, b, 0, a, b, b, 0]), atol=1e-4, rtol=0)
-    assert u.stats_B.tolist() == [True, True, True, False, True, True, True, False]
-    assert u.loss_B.tolist() == [True, False, True, False, True, False, True, False]
+    torch.testing.assert_close(p.advantages_B, torch.tensor([a, b, b, 0, a, b, b, 0]), atol=1e-4, rtol=0)
+    assert p.stats_B.tolist() == [True, True, True, False, True, True, True, False]
+    assert p.trained_B.tolist() == [True, False, True, False, True, False, True, False]
     assert u.batch.tokens_BT.shape[0] == 4  # rows without loss tokens are not sent to the learner
     # loss tokens: the 3 sampled response tokens (columns 2..4), never the prompt
     assert u.batch.loss_mask_BT.tolist() == [[0, 0, 1, 1, 1]] * 4
@@ -47,14 +51,14 @@ def test_simpletir_void_in_stats_not_in_loss_infra_in_neither():
 
 @pytest.mark.parametrize("mode", ["naive", "stop_without_filter", "high_ratio_filter"])
 def test_modes_without_void_filter_train_on_void_rows(mode):
-    _, u = update(mode)
-    assert u.loss_B.tolist() == [True, True, True, False, True, False, True, False]
+    p, u = update(mode)
+    assert p.trained_B.tolist() == [True, True, True, False, True, False, True, False]
     assert u.batch.tokens_BT.shape[0] == 5
 
 
 def test_overlong_keep_trains_on_truncated_rows():
-    _, u = update("simpletir", overlong="keep")
-    assert u.loss_B.tolist() == [True, False, True, False, True, True, True, False]
+    p, _ = update("simpletir", overlong="keep")
+    assert p.trained_B.tolist() == [True, False, True, False, True, True, True, False]
 
 
 def test_low_prob_filter_masks_each_rows_lowest_tokens():
@@ -64,9 +68,7 @@ def test_low_prob_filter_masks_each_rows_lowest_tokens():
 
 
 def test_reinforce_pp_uses_batch_statistics():
-    rt = to_tensors(crafted(), pad_id=0)
-    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="reinforce_pp",
-                     overlong="mask", low_prob_fraction=0.0)
+    u, _ = update("simpletir", advantage="reinforce_pp")
     # counted rows: rewards {1, 0, 0, 1, 0, 0} x 3 tokens each: mean 1/3, std over 18 tokens sqrt((6*4/9 + 12/9)/17)
     std = math.sqrt((6 * 4 / 9 + 12 * 1 / 9) / 17)
     assert u.advantages_B[0].item() == pytest.approx((2 / 3) / std, abs=1e-4)
@@ -74,7 +76,7 @@ def test_reinforce_pp_uses_batch_statistics():
 
 
 def test_mini_batches_split_whole_groups():
-    _, u = update("stop_without_filter")
+    _, u = update("stop_without_filter", mini=2)
     parts = mini_batches(u, 2)
     assert [p.tokens_BT.shape[0] for p in parts] == [3, 2]
     assert sum(p.loss_mask_BT.sum().item() for p in parts) == u.batch.loss_mask_BT.sum().item()
@@ -105,8 +107,28 @@ def test_dynamic_sampling_that_empties_the_batch_comes_back_empty():
 
 
 def test_reference_logprobs_travel_with_the_kept_rows():
-    rt = to_tensors(crafted(), pad_id=0)
-    ref = torch.arange(rt.tokens_BT.numel(), dtype=torch.float32).view_as(rt.tokens_BT)
-    u = build_update(rt, rt.engine_logprobs_BT, mode="simpletir", advantage="grpo",
-                     overlong="mask", low_prob_fraction=0.0, ref_logprobs_BT=ref)
-    torch.testing.assert_close(u.batch.extras["ref_logprobs_BT"], ref[u.loss_B])
+    p, _ = update("simpletir")
+    ref = torch.arange(p.rows.tokens_BT.numel(), dtype=torch.float32).view_as(p.rows.tokens_BT)
+    u = build_update(p.rows, p.rows.engine_logprobs_BT, mode="simpletir", low_prob_fraction=0.0, ref_logprobs_BT=ref)
+    torch.testing.assert_close(u.batch.extras["ref_logprobs_BT"], ref)
+
+
+def test_the_group_filter_reads_summaries_and_void_rows_count_in_group_statistics():
+    # group 0: one correct, one void (reward 0): std > 0 only because the void row counts
+    kept, removed = filter_groups([group(0, (C, 1.0), (V, 0.0)), group(1, (C, 1.0), (F, 0.0))], drop_zero_std=True,
+                                  accuracy_lo=0.0, accuracy_hi=1.0)
+    assert [g.group_id for g in kept] == [0] and removed["zero_std"] == 1  # group 1's tool failure does not count
+
+
+def test_rows_are_dealt_per_mini_batch_longest_first_and_an_empty_share_gets_a_stand_in():
+    groups = [group(0, (C, 1.0, (-1.0,) * 5), (C, 0.0, (-1.0,) * 2)), group(1, (C, 1.0, (-1.0,) * 3), (C, 0.0))]
+    p = plan_update(to_tensors(groups, pad_id=0), mode="simpletir", advantage="grpo", overlong="mask", mini_batches=2)
+    a, b = deal_rows(p.rows, 2)
+    # mini-batch 0 = group 0 (rows of 5 and 2 tokens), mini-batch 1 = group 1 (3 and 3 tokens)
+    assert a.mini_batch_B.tolist() == [0, 1] and b.mini_batch_B.tolist() == [0, 1]
+    assert a.attention_mask_BT.sum(1).tolist() == [7, 5] and b.attention_mask_BT.sum(1).tolist() == [4, 5]
+    assert a.tokens_BT.shape[1] == 7 and b.tokens_BT.shape[1] == 5  # each share padded to its own longest row
+    lone = plan_update(to_tensors([group(0, (C, 1.0), (C, 0.0))], pad_id=0), mode="simpletir", advantage="grpo",
+                       overlong="mask", mini_batches=1)
+    shares = deal_rows(lone.rows, 3)
+    assert [s.batch_size for s in shares] == [1, 1, 1] and float(shares[2].loss_mask_BT.sum()) == 0.0

@@ -387,13 +387,13 @@ class FakeSGLangServer:
         return None
 
     def _after_update(self, body: dict, message: str) -> web.Response:
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
-            message += f" Weight version updated to {self.weight_version}."
         if body.get("flush_cache", True):
             if not self.idle(ignore_waiting=self.scheduler_pause is not None):
                 return _json({"success": False, "message": NOT_FLUSHED}, status=400)
             self.radix.reset()
+        if body.get("weight_version") is not None:  # adopted on success only (tokenizer_control_mixin.py)
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {self.weight_version}."
         return _json({"success": True, "message": message})
 
     async def _do_init_weights_update_group(self, request, body: dict) -> web.Response:

@@ -75,3 +75,26 @@ def test_a_row_does_not_depend_on_its_batch_neighbours():
                                         **{k: v[row : row + 1] for k, v in params.items()})
         assert alone.item() == together[row].item()
         assert alone_lp.item() == together_lp[row].item()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_partial_sort_truncation_equals_the_full_sort(monkeypatch, ties):
+    """The candidate (top-k partial sort) path keeps exactly what a full stable sort keeps,
+    including rows whose nucleus is wider than the candidates and ties at their boundary."""
+    from megatron_tir.rollout.engines import sampling
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 24, 3000
+    logits = torch.randn(rows, vocab, generator=g) * torch.linspace(0.2, 8.0, rows)[:, None]
+    if ties:
+        logits = (logits * 2).round() / 2  # many equal values, some straddling the candidates' boundary
+    logp = torch.log_softmax(logits, dim=-1)
+    top_p = torch.linspace(0.05, 1.0, rows)
+    top_k = torch.tensor([-1, 5, 300, 3000] * (rows // 4))
+    monkeypatch.setattr(sampling, "TRUNCATION_CANDIDATES", 10**9)  # the full sort for every row
+    reference = sampling._truncation_mask(logp, top_p, top_k)
+    monkeypatch.setattr(sampling, "TRUNCATION_CANDIDATES", 64)
+    got = sampling._truncation_mask(logp, top_p, top_k)
+    assert torch.equal(got, reference)
+    kept = reference.sum(dim=-1)
+    assert (kept > 64).any() and (kept < 64).any()  # both paths were taken

@@ -1,4 +1,4 @@
-"""The SGLang client against what a real sglang 0.5.23 server does (issue 9's rules), one test each.
+"""The SGLang client against what a real sglang 0.5.23 server does, one rule per test.
 
 The fake server (fake_sglang.py) enforces the rules the way the real server does; its
 docstring cites the sglang source of each. The weight-sync rules that need a real

@@ -1,0 +1,298 @@
+"""The local engine's model steps: prefill new rows, decode one token for every running row.
+
+Two implementations of one small interface (worker-thread state; rows are the running
+requests in order, ``state`` is the opaque KV cache of those rows, ``None`` when empty):
+
+    state, logits_NV = decoder.prefill(state, contexts)  # appends len(contexts) rows
+    logits_BV = decoder.decode(state, tokens_B)           # one token per row
+    state, order = decoder.keep_rows(state, keep)          # drop the other rows; order: old row
+                                                           # indices in the new row order
+
+* :class:`SlotDecoder` (the default for Llama / Qwen2 / Mistral layouts): the KV cache is
+  one preallocated buffer per K and V, ``[layers, slots, kv_heads, capacity, head_dim]``;
+  row ``b``'s tokens sit in columns ``0 .. len_b - 1`` of slot ``b`` (no left padding), the
+  new token's K/V is written in place, capacity grows by doubling (amortised O(1) per
+  token), and finished rows are replaced by rows moved from the tail (no re-packing). The
+  decode step calls the model's own norm, MLP, rotary and projection modules layer by
+  layer and SDPA over the cached columns (a key-padding mask only when rows differ in
+  length), so it computes what the HF forward computes, without the HF forward's per-step
+  mask building, cache bookkeeping and ``torch.cat`` of the whole cache.
+* :class:`HFDecoder` (any other architecture, and the previous implementation kept for
+  ``bench/bench_engine.py``): the HF forward with a ``DynamicCache``, left-padded rows,
+  an attention mask grown by one column per step, rows joined by padding and
+  concatenating the caches.
+
+Prefill is the HF forward in both (left-padded, per-row position ids, logits of the last
+position only); the slot decoder copies each row's K/V into its slot afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Decoder layers whose attention is q/k/v/o projections + rotary (no q/k norm), pre-norm
+# residual blocks, a final norm and an lm_head: what SlotDecoder re-implements step-wise.
+SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
+def supports_slot_decoder(model) -> bool:
+    config = model.config
+    if getattr(config, "model_type", None) not in SLOT_MODEL_TYPES:
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False  # full attention only (the engine refuses other cache layers anyway)
+    attn = model.model.layers[0].self_attn
+    return all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+
+
+def _prefill_hf(model, contexts: list[list[int]], device: torch.device):
+    """HF forward over left-padded contexts; returns (DynamicCache, mask_BT, logits_BV)."""
+    from transformers.cache_utils import DynamicCache
+
+    width = max(len(c) for c in contexts)
+    ids_BT = torch.zeros(len(contexts), width, dtype=torch.long)
+    mask_BT = torch.zeros(len(contexts), width, dtype=torch.long)
+    for row, context in enumerate(contexts):
+        n = len(context)
+        ids_BT[row, width - n:] = torch.tensor(context)
+        mask_BT[row, width - n:] = 1
+    ids_BT, mask_BT = ids_BT.to(device), mask_BT.to(device)
+    position_BT = (mask_BT.cumsum(dim=1) - 1).clamp_(min=0)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_BT, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.cache, mask_BT, out.logits[:, -1, :]
+
+
+# ---------------------------------------------------------------------------- HF forward
+
+
+@dataclass(slots=True)
+class HFState:
+    cache: object  # transformers DynamicCache, left-padded rows
+    mask_BT: torch.Tensor  # 1 where a cached column holds a real token of that row
+    next_pos_B: torch.Tensor  # position id of each row's pending token
+
+
+class HFDecoder:
+    """The HF forward with a DynamicCache (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    def prefill(self, state: HFState | None, contexts: list[list[int]]) -> tuple[HFState, torch.Tensor]:
+        cache, mask_BT, logits_NV = _prefill_hf(self.model, contexts, self.device)
+        new = HFState(cache=cache, mask_BT=mask_BT, next_pos_B=mask_BT.sum(dim=1))
+        return (new if state is None else self._merge(state, new)), logits_NV
+
+    def decode(self, state: HFState, tokens_B: torch.Tensor) -> torch.Tensor:
+        mask_BT = torch.cat([state.mask_BT, torch.ones_like(state.mask_BT[:, :1])], dim=1)
+        out = self.model(input_ids=tokens_B[:, None], attention_mask=mask_BT, position_ids=state.next_pos_B[:, None],
+                         cache=state.cache, use_cache=True)
+        state.mask_BT = mask_BT
+        state.next_pos_B = state.next_pos_B + 1
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def _merge(old: HFState, new: HFState) -> HFState:
+        """Join newly prefilled rows to the running rows (left-pad the shorter cache)."""
+        from transformers.cache_utils import DynamicCache
+
+        width = max(old.mask_BT.shape[1], new.mask_BT.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        layers = [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+                  for a, b in zip(old.cache.layers, new.cache.layers, strict=True)]
+        return HFState(cache=DynamicCache(ddp_cache_data=layers),
+                       mask_BT=torch.cat([pad(old.mask_BT, 1), pad(new.mask_BT, 1)]),
+                       next_pos_B=torch.cat([old.next_pos_B, new.next_pos_B]))
+
+    @torch.inference_mode()
+    def keep_rows(self, state: HFState, keep: list[int]) -> tuple[HFState | None, list[int]]:
+        """Keep only rows ``keep`` (in order) and trim all-padding columns."""
+        if not keep:
+            return None, []
+        index = torch.tensor(keep, dtype=torch.long, device=state.mask_BT.device)
+        mask_BT = state.mask_BT.index_select(0, index)
+        start = int(mask_BT.any(dim=0).nonzero()[0])
+        for layer in state.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        state.mask_BT = mask_BT[:, start:]
+        state.next_pos_B = state.next_pos_B.index_select(0, index)
+        return state, list(keep)
+
+
+# ---------------------------------------------------------------------------- slot cache
+
+
+@dataclass(slots=True)
+class SlotState:
+    keys: torch.Tensor  # [layers, slots, kv_heads, capacity, head_dim]
+    values: torch.Tensor
+    lengths: list[int]  # cached tokens of each running row (= the position of its pending token)
+
+
+class SlotDecoder:
+    """Step-wise decode over preallocated per-row KV slots (see the module docstring).
+
+    At construction the q/k/v and the gate/up projections of every layer are re-laid as
+    row blocks of one contiguous matrix each (their parameters become views into it, so an
+    in-place ``copy_`` of new weights still lands where the decode step reads it), which
+    makes a layer four matmuls instead of seven.
+    """
+
+    name = "slot"
+    min_capacity = 128
+
+    def __init__(self, model, device: torch.device, max_rows: int) -> None:
+        if not supports_slot_decoder(model):
+            raise ValueError(f"SlotDecoder does not cover {type(model).__name__}")
+        self.model, self.device, self.max_rows = model, device, max_rows
+        self.body = model.model
+        attn = self.body.layers[0].self_attn
+        config = model.config
+        self.head_dim = int(attn.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.scaling = float(attn.scaling)
+        self.layers = list(self.body.layers[: config.num_hidden_layers])
+        self.dtype = self.body.embed_tokens.weight.dtype
+        self.fused = [(_fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                       _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in self.layers]
+
+    def _reserve(self, state: SlotState | None, rows: int, longest: int) -> SlotState:
+        """``state`` with room for ``rows`` slots of ``longest`` columns (capacity grows by doubling)."""
+        have_rows = 0 if state is None else state.keys.shape[1]
+        have_cap = 0 if state is None else state.keys.shape[3]
+        if state is not None and rows <= have_rows and longest <= have_cap:
+            return state
+        capacity = max(have_cap, self.min_capacity)
+        while capacity < longest:
+            capacity *= 2
+        shape = (len(self.layers), max(have_rows, self.max_rows, rows), self.kv_heads, capacity, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if state is None:
+            return SlotState(keys=keys, values=values, lengths=[])
+        n, used = len(state.lengths), max(state.lengths, default=0)
+        keys[:, :n, :, :used] = state.keys[:, :n, :, :used]
+        values[:, :n, :, :used] = state.values[:, :n, :, :used]
+        state.keys, state.values = keys, values
+        return state
+
+    def prefill(self, state: SlotState | None, contexts: list[list[int]]) -> tuple[SlotState, torch.Tensor]:
+        cache, _, logits_NV = _prefill_hf(self.model, contexts, self.device)
+        lengths = [len(c) for c in contexts]
+        old = [] if state is None else state.lengths
+        state = self._reserve(state, len(old) + len(contexts), max(lengths + old) + 1)
+        width = max(lengths)
+        keys = torch.stack([layer.keys for layer in cache.layers])  # [layers, N, kv_heads, width, head_dim]
+        values = torch.stack([layer.values for layer in cache.layers])
+        for row, n in enumerate(lengths):
+            slot = len(state.lengths)
+            state.keys[:, slot, :, :n] = keys[:, row, :, width - n:]
+            state.values[:, slot, :, :n] = values[:, row, :, width - n:]
+            state.lengths.append(n)
+        return state, logits_NV
+
+    def decode(self, state: SlotState, tokens_B: torch.Tensor) -> torch.Tensor:
+        lengths = state.lengths
+        rows, width = len(lengths), max(lengths) + 1
+        self._reserve(state, rows, width)
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qk_heads, gqa, half = heads + kv_heads, heads != kv_heads, head_dim // 2
+        pos_B = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        same_length = min(lengths) == max(lengths)
+        if same_length:  # every row attends to all `width` columns; the new column is one slice
+            mask, row_B, column = None, None, lengths[0]
+        else:
+            mask = (torch.arange(width, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
+            row_B, column = torch.arange(rows, device=self.device), pos_B
+
+        hidden = self.body.embed_tokens(tokens_B)  # [B, hidden]
+        cos, sin = self.body.rotary_emb(hidden, position_ids=pos_B[:, None])  # [B, 1, head_dim]
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self.fused[i]
+            x = _rms_norm(layer.input_layernorm, hidden)
+            qkv = F.linear(x, qkv_w, qkv_b).view(rows, qk_heads + kv_heads, head_dim)
+            qk = qkv[:, :qk_heads]
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # RoPE on q and k at once
+            k, v = qk[:, heads:], qkv[:, qk_heads:]
+            layer_keys, layer_values = state.keys[i], state.values[i]
+            if same_length:
+                layer_keys[:rows, :, column].copy_(k)
+                layer_values[:rows, :, column].copy_(v)
+            else:
+                layer_keys[row_B, :, column] = k
+                layer_values[row_B, :, column] = v
+            out = F.scaled_dot_product_attention(
+                qk[:, :heads, None], layer_keys[:rows, :, :width], layer_values[:rows, :, :width],
+                attn_mask=mask, scale=self.scaling, enable_gqa=gqa)  # [B, heads, 1, head_dim]
+            hidden = hidden + F.linear(out.reshape(rows, heads * head_dim), attn.o_proj.weight, attn.o_proj.bias)
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+            hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        state.lengths = [n + 1 for n in lengths]
+        return self.model.lm_head(_rms_norm(self.body.norm, hidden))
+
+    @torch.inference_mode()
+    def keep_rows(self, state: SlotState, keep: list[int]) -> tuple[SlotState | None, list[int]]:
+        """Keep rows ``keep``; kept rows past the new end move into the holes below it.
+
+        Returns the state and the new row order as old row indices.
+        """
+        rows = len(keep)
+        if not rows:
+            return None, []
+        kept = set(keep)
+        holes = [i for i in range(rows) if i not in kept]
+        movers = [j for j in keep if j >= rows]
+        order = list(range(rows))
+        for hole, mover in zip(holes, movers, strict=True):
+            used = state.lengths[mover]
+            state.keys[:, hole, :, :used] = state.keys[:, mover, :, :used]
+            state.values[:, hole, :, :used] = state.values[:, mover, :, :used]
+            order[hole] = mover
+        state.lengths = [state.lengths[j] for j in order]
+        return state, order
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The HF RMSNorm module's formula as one fused op (same values in float32)."""
+    if x.dtype != torch.float32:
+        return norm(x)  # HF computes in float32 and casts back; keep its rounding
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One contiguous ``[sum(out), in]`` matrix (and bias) whose row blocks become the linears' parameters."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+             for b, lin in zip(biases, linears)])
+        start = 0
+        for lin in linears:
+            n = lin.out_features
+            lin.weight.data = weight[start:start + n]
+            if lin.bias is not None:
+                lin.bias.data = bias[start:start + n]
+            start += n
+    return weight, bias

@@ -1,0 +1,382 @@
+"""The rollout source: rank 0 produces a step's rollouts, every rank consumes the rows it trains.
+
+    source.submit(step)          # rank 0: the step's rollouts start on the event-loop thread
+    got = source.next(step)      # every rank: this rank's share of the trained rows (or none)
+
+Every rank calls both; which rank produces is hidden here. On rank 0 the
+:class:`~megatron_tir.train.rollouts.RolloutService` (engine, sandbox, verifier) runs the
+rollouts on its own event-loop thread, so the main thread is free while they run (asynchronous
+training builds on ``submit`` / ``next``). ``next`` then, on rank 0: dynamic sampling's group
+filter (per-row summaries, no ``[B, T]`` tensors), the row roles and advantages over every
+counted row (:func:`~megatron_tir.train.batch.plan_update`), the rows no mode trains removed,
+each data-parallel replica's share dealt (:func:`~megatron_tir.train.batch.deal_rows`), and the
+hand-off:
+
+* a small header (data position, turn schedule, mini-batches, shapes, or a stop cause) goes
+  through the job's key-value store (the ``TCPStore`` every rank joined at start);
+* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source
+  (ranks of one data-parallel replica -- its TP / PP peers -- get the same rows).
+
+The other ranks wait for the header by polling the store, not inside a collective: no
+process-group timeout or watchdog runs out however long a round of rollouts takes. Rank 0
+bumps a heartbeat counter in the store every ``poll_s``; a waiting rank that sees it stand
+still for ``alive_timeout_s``, or loses the store (rank 0 hosted it and died), raises, so a
+dead rank 0 still ends the job in bounded time.
+
+A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure
+ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tir.rollout.factory import InfrastructureError
+from megatron_tir.rollout.trajectory import INFRA_STATUSES
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.sync import drain
+from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
+from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.data import PromptStream
+from megatron_tir.train.metrics import rollout_metrics
+from megatron_tir.train.turn_schedule import schedule_due, switched
+
+log = logging.getLogger(__name__)
+
+HANDOFF_TIMEOUT = datetime.timedelta(hours=2)  # the gloo group's: a transfer starts once rank 0 is ready
+
+
+class TrainingStopped(InfrastructureError):
+    """The run cannot learn: a one-line cause (exit 1); the checkpoints already written stay."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRollouts:
+    """One rank's part of a step's rollouts."""
+    rows: TrainRows | None  # this rank's share of the trained rows; None: no row is trained this step
+    mini_batches: int  # mini-batches of the update (the same on every rank)
+    metrics: dict[str, float]  # rank 0: rollout and filter metrics; other ranks: {}
+    data_position: int  # the prompt stream's position after the step
+    schedule_switched_at: int | None
+    rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
+    turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
+    collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
+
+    @classmethod
+    def of_groups(cls, groups, cfg: TrainConfig, *, pad_id: int = 0) -> StepRollouts:
+        """A one-replica step of scored ``groups`` without a source (what ``next`` gives a rank when
+        the data-parallel size is 1; for checks of the update alone)."""
+        tc = cfg.trainer
+        plan = plan_update(to_tensors(groups, pad_id=pad_id), mode=tc.mode,
+                           advantage=None if tc.ppo.advantage == "gae" else tc.ppo.advantage,
+                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+        r = plan.rows
+        return cls(rows=r if r.batch_size else None, mini_batches=int(r.mini_batch_B.max()) + 1 if r.batch_size else 0,
+                   metrics={}, data_position=0, schedule_switched_at=None,
+                   rollout_budget=(cfg.rollout.max_turns, cfg.rollout.max_response_tokens),
+                   turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, collected=None)
+
+
+# ----------------------------------------------------------------------------- the hand-off
+
+
+class _HandOff:
+    """Rank 0 -> every rank: a JSON header through the store, tensors point to point on gloo."""
+
+    def __init__(self, *, poll_s: float, alive_timeout_s: float) -> None:
+        from megatron.core import parallel_state
+
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.poll_s, self.alive_timeout_s = poll_s, alive_timeout_s
+        self.store = torch.distributed.PrefixStore("megatron_tir/rollouts/", _get_default_store())
+        self.group = torch.distributed.new_group(backend="gloo", timeout=HANDOFF_TIMEOUT)  # every rank, once
+        dp = [None] * self.world
+        torch.distributed.all_gather_object(dp, parallel_state.get_data_parallel_rank(), group=self.group)
+        self.dp_of = [int(d) for d in dp]
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.received_bytes = 0  # what this rank received last (tests and metrics)
+        self._stop = threading.Event()
+        self._beat = None
+        if self.rank == 0:
+            self.store.add("beat", 1)
+            self._beat = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
+            self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.store.add("beat", 1)
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                return
+
+    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> None:
+        """Rank 0: ``header`` to every rank, ``shares[dp]`` to each rank of data-parallel replica ``dp``."""
+        header = dict(header)
+        if shares is not None:
+            header["shapes"] = [{k: [str(v.dtype).removeprefix("torch."), list(v.shape)]
+                                 for k, v in share.tensors().items()} for share in shares]
+        self.store.set(key, json.dumps(header))
+        if shares is None:
+            return
+        for r in range(1, self.world):
+            for v in shares[self.dp_of[r]].tensors().values():
+                torch.distributed.send(_wire(v), dst=r, group=self.group)
+
+    def receive(self, key: str, *, what: str) -> tuple[dict, TrainRows | None]:
+        """Every rank but 0: wait (as long as rank 0 lives) for ``key``'s header, then this rank's rows."""
+        self._wait(key, what=what)
+        header = json.loads(self.store.get(key))
+        shapes = header.pop("shapes", None)
+        if shapes is None:
+            return header, None
+        tensors, got = {}, 0
+        for name, (dtype, shape) in shapes[self.dp_of[self.rank]].items():
+            buf = torch.empty(shape, dtype=torch.uint8 if dtype == "bool" else getattr(torch, dtype))
+            torch.distributed.recv(buf, src=0, group=self.group)
+            got += buf.numel() * buf.element_size()
+            tensors[name] = buf.bool() if dtype == "bool" else buf
+        self.received_bytes = got
+        return header, TrainRows(**tensors)
+
+    def _wait(self, key: str, *, what: str) -> None:
+        beat, seen_at, sleep = None, time.monotonic(), 0.01
+        while True:
+            try:
+                if self.store.check([key]):
+                    return
+                now_beat = self.store.add("beat", 0)
+            except Exception as exc:  # noqa: BLE001 - the store lived on rank 0 (or its host) and is gone
+                raise InfrastructureError(f"rank {self.rank} lost rank 0 while waiting for {what}: "
+                                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
+            now = time.monotonic()
+            if now_beat != beat:
+                beat, seen_at = now_beat, now
+            elif now - seen_at > self.alive_timeout_s:
+                raise InfrastructureError(f"rank {self.rank}: rank 0 gave no sign of life for "
+                                          f"{self.alive_timeout_s:g} s while this rank waited for {what}")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, self.poll_s / 2)
+
+    def forget(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except Exception:  # noqa: BLE001 - stores without delete (or gone): keys are small
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+
+
+# ----------------------------------------------------------------------------- the source
+
+
+class RolloutSource:
+    """Every rank builds one (collectively) and calls ``submit`` / ``next`` each step.
+
+    ``service_factory()`` is called on rank 0 only and returns the started
+    :class:`~megatron_tir.train.rollouts.RolloutService` (engine, sandbox, verifier, event-loop
+    thread; checked the way ``eval`` checks them); a failure there ends every rank with its
+    one-line cause. ``position`` and ``schedule_switched_at`` come from the trainer state.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, service_factory, position: int = 0,
+                 schedule_switched_at: int | None = None, pad_id: int | None = None,
+                 poll_s: float = 1.0, alive_timeout_s: float = 300.0) -> None:
+        self.cfg = cfg
+        self._handoff = _HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
+        self.rank = self._handoff.rank
+        self.service = None
+        self._pending = {}
+        self._lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
+        self.schedule_switched_at = schedule_switched_at
+        self._rollout_cfg = cfg.rollout if schedule_switched_at is None else switched(cfg.rollout,
+                                                                                       cfg.trainer.turn_schedule)
+        self.stream = PromptStream(cfg.data, position=position) if self.rank == 0 else None
+        if self.rank == 0:
+            try:
+                self.service = service_factory()
+            except BaseException as exc:
+                self._handoff.publish("start", {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
+                self._handoff.close()
+                raise
+            self._handoff.publish("start", {"error": None})
+            self._pad_id = pad_id if pad_id is not None else _pad_id(self.service.tokenizer)
+        else:
+            header, _ = self._handoff.receive("start", what="rank 0's engine and sandbox to start")
+            if header["error"] is not None:
+                self._handoff.close()
+                raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
+
+    @property
+    def rollout_cfg(self):
+        return self._rollout_cfg
+
+    @property
+    def received_bytes(self) -> int:
+        return self._handoff.received_bytes
+
+    def submit(self, step: int) -> None:
+        """Start step ``step``'s rollouts (rank 0, on the event-loop thread; elsewhere nothing)."""
+        if self.rank != 0:
+            return
+        tc = self.cfg.trainer
+        if self.schedule_switched_at is None and schedule_due(step, tc.turn_schedule, self._lengths):
+            self._rollout_cfg, self.schedule_switched_at = switched(self.cfg.rollout, tc.turn_schedule), step
+            log.info("turn schedule: %d turns, %d tokens from step %d", self._rollout_cfg.max_turns,
+                     self._rollout_cfg.max_response_tokens, step)
+        one_round = functools.partial(self._sample_round, self._rollout_cfg)
+        f = tc.filters
+        coro = collect_groups(one_round, want=tc.sampling.prompts_per_step, max_rounds=tc.sampling.max_rounds,
+                              drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi,
+                              overlong=f.overlong, min_rows=f.min_group_rows, strategy=tc.sampling.strategy,
+                              seed=tc.seed * 100003 + step)
+        self._pending[step] = (time.perf_counter(), self.service.submit(coro))
+
+    async def _sample_round(self, rollout_cfg):
+        start = self.stream.position  # group ids are positions in the prompt stream
+        problems = self.stream.take(self.cfg.trainer.sampling.prompts_per_round)
+        return await self.service.arollout(problems, rollout_cfg, group_id_offset=start,
+                                           progress=self.cfg.trainer.progress)
+
+    def next(self, step: int) -> StepRollouts:
+        """This rank's share of step ``step``'s trained rows (blocks until rank 0 has them)."""
+        key = f"step/{step}"
+        if self.rank != 0:
+            header, rows = self._handoff.receive(key, what=f"step {step}'s rollouts")
+            return self._result(header, rows, {}, None)
+        try:
+            header, shares, metrics, got = self._produce(step)
+        except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
+            self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {type(exc).__name__}: "
+                                                f"{' '.join(str(exc).split())[:300]}"})
+            raise
+        self._handoff.publish(key, header, shares)
+        self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
+        return self._result(header, None if shares is None else shares[0], metrics, got)
+
+    def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
+        t0, future = self._pending.pop(step)
+        got = future.result()
+        tc = self.cfg.trainer
+        metrics = rollout_metrics(got.sampled)
+        if stale := self.service.take_stale_responses():  # a server restarted with other weights
+            metrics["rollout/stale_responses_dropped"] = float(stale)
+            log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
+        metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
+        metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
+        self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
+        header = {"data_position": self.stream.position, "schedule_switched_at": self.schedule_switched_at,
+                  "budget": [self._rollout_cfg.max_turns, self._rollout_cfg.max_response_tokens],
+                  "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
+        shares = None
+        if got.groups and header["stop"] is None:
+            rt = to_tensors(got.groups, pad_id=self._pad_id)
+            gae = tc.ppo.advantage == "gae"  # the critic's GAE fills the advantages in on every rank
+            plan = plan_update(rt, mode=tc.mode, advantage=None if gae else tc.ppo.advantage,
+                               overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+            s = rt.rows
+            metrics |= {"filter/rows": float(rt.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
+                        "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
+                        "filter/rows_in_stats": float(plan.stats_B.sum()),
+                        "filter/rows_in_loss": float(plan.trained_B.sum()),
+                        "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
+            if plan.rows.batch_size:
+                r = plan.rows
+                shares = deal_rows(r, self._handoff.dp_size)
+                header["mini_batches"] = int(r.mini_batch_B.max()) + 1
+                header["turns"] = int(r.turn_index_BT.max()) + 1
+                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT)
+                metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
+        metrics["time/rollout"] = time.perf_counter() - t0
+        return header, shares, metrics, got
+
+    def _result(self, header: dict, rows: TrainRows | None, metrics: dict, collected: Collected | None) -> StepRollouts:
+        if header["stop"] is not None:
+            raise TrainingStopped(header["stop"])
+        self.schedule_switched_at = header["schedule_switched_at"]
+        return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
+                            data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
+                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected)
+
+    @property
+    def tokenizer(self):
+        """Rank 0's engine tokenizer (None elsewhere)."""
+        return None if self.service is None else self.service.tokenizer
+
+    def evaluate(self, problems, observe=None) -> dict[str, float]:
+        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere);
+        ``observe(groups)`` sees the groups."""
+        if self.rank != 0 or not problems:
+            return {}
+        cfg, rc = self.cfg, self._rollout_cfg
+        T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rc.temperature
+        top_p = cfg.data.eval_top_p if cfg.data.eval_top_p is not None else rc.top_p
+        ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
+                                   seed=cfg.trainer.seed + 1)
+        t0 = time.perf_counter()
+        groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
+        if observe is not None:
+            observe(groups)
+        return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
+
+    def offload(self) -> None:
+        """Before the update (rank 0): the engine frees its memory where it shares the trainer's
+        devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``.
+        Skipped while a later step's rollouts are in flight: they need the engine."""
+        if self.rank == 0 and not self._pending:
+            self.service.offload()
+
+    def sync_weights(self, learner) -> None:
+        """The learner's weights into rank 0's engine (collective: every rank calls it)."""
+        if self.rank == 0:
+            self.service.sync_from(learner)
+        else:
+            drain(learner.named_hf_buckets())
+
+    def close(self) -> None:
+        self._handoff.close()
+        if self.service is not None:
+            self.service.close()
+
+    def __enter__(self) -> RolloutSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _infra_stop(groups, max_share: float) -> str | None:
+    """The cause when infrastructure ended more than ``max_share`` of the trajectories, else None."""
+    trajs = [t for g in groups for t in g.trajectories]
+    failed = [t for t in trajs if t.status in INFRA_STATUSES]
+    if not trajs or len(failed) <= max_share * len(trajs):
+        return None
+    first = ""
+    if failed[0].turns and failed[0].turns[-1].tool is not None:
+        first = failed[0].turns[-1].tool.result.message or failed[0].turns[-1].tool.status.value
+    return (f"{len(failed)} of {len(trajs)} trajectories of the step were ended by infrastructure failures "
+            f"(more than trainer.stop.infra_failure_share={max_share:g}); stopping before the update"
+            + (f" (first: {' '.join(first.split())[:200]})" if first else ""))
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    assert pad is not None, "the tokenizer has neither a pad nor an EOS token"
+    return int(pad)

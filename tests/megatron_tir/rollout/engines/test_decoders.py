@@ -1,0 +1,64 @@
+"""The slot decoder against the HF forward: same log-probs as one plain forward pass, across
+rows of different lengths, rows leaving (slot moves), late joiners and capacity growth."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
+from transformers import AutoModelForCausalLM
+
+from engine_testing import reference_logprobs, run
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_auto_picks_the_slot_decoder_for_llama_and_qwen2(make_engine, tiny_llama, tiny_qwen2, family):
+    engine = make_engine(tiny_llama if family == "llama" else tiny_qwen2)
+    assert supports_slot_decoder(engine.model) and isinstance(engine._decoder, SlotDecoder)
+    assert isinstance(make_engine(tiny_llama, decoder="hf")._decoder, HFDecoder)
+
+
+@pytest.mark.parametrize("decoder", ["slot", "hf"])
+def test_mixed_lengths_leavers_and_late_joiners_match_a_full_forward(make_engine, tiny_qwen2, decoder, monkeypatch):
+    """Six requests through three rows: different prompt lengths and budgets (rows leave at
+    different steps, so slots move), late arrivals, and a cache that must grow twice."""
+    monkeypatch.setattr(SlotDecoder, "min_capacity", 8)  # growth happens within a few steps
+    reference = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    texts = ["x", "def add(a, b):", "The capital of France is" * 2, "1 2 3", "Question: 12 * 7?", "hi there"]
+    budgets = [23, 5, 11, 17, 3, 9]
+
+    async def main():
+        engine = make_engine(tiny_qwen2, max_batch_size=3, eos_token_ids=(0,), decoder=decoder)
+        prompts = [engine.tokenizer(t).input_ids for t in texts]
+
+        async def late(i):
+            await asyncio.sleep(0.01 * i)
+            return await engine.generate(prompts[i], SamplingParams(max_new_tokens=budgets[i], seed=i))
+
+        outs = await asyncio.gather(*(late(i) for i in range(len(texts))))
+        await engine.close()
+        return prompts, outs
+
+    prompts, outs = run(main())
+    for prompt, out, budget in zip(prompts, outs, budgets):
+        assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == budget
+        ref = reference_logprobs(reference, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_slot_and_hf_decoders_sample_the_same_tokens(make_engine, tiny_llama):
+    async def main(decoder):
+        engine = make_engine(tiny_llama, max_batch_size=4, eos_token_ids=(0,), decoder=decoder)
+        prompts = [engine.tokenizer("a" * (1 + 3 * i)).input_ids for i in range(5)]
+        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=6 + 4 * i, seed=i))
+                                      for i, p in enumerate(prompts)))
+        await engine.close()
+        return outs
+
+    slot, hf = run(main("slot")), run(main("hf"))
+    for a, b in zip(slot, hf):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

@@ -1,0 +1,132 @@
+"""Rank functions for the rollout-source tests (spawned processes import them by name).
+
+``CraftedService`` stands in for rank 0's RolloutService at the engine edge: it returns crafted,
+scored groups (real ``Trajectory`` / ``Group`` records) after an asyncio sleep, on a real
+``EventLoopThread``; everything after it -- the source, the hand-off, the Learner -- is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_tir.rollout.batch import Group
+from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
+from megatron_tir.train.config import apply_overrides, load_recipe
+from megatron_tir.train.event_loop import EventLoopThread
+
+C, V = FinishStatus.COMPLETED, FinishStatus.VOID
+# per group: (status, reward, model tokens) of each sample -- lengths differ so the dealing matters
+SPECS = [
+    [(C, 1.0, 9), (C, 0.0, 3), (V, 0.0, 6)],
+    [(C, 0.0, 5), (C, 1.0, 7), (C, 0.0, 2)],
+    [(C, 1.0, 4), (C, 1.0, 8), (C, 0.0, 6)],
+    [(C, 0.0, 3), (C, 1.0, 5), (C, 1.0, 10)],
+]
+
+
+def crafted_groups(offset: int, n: int) -> list[Group]:
+    out = []
+    for g in range(n):
+        gid = offset + g
+        trajs = []
+        for i, (status, reward, tokens) in enumerate(SPECS[gid % len(SPECS)]):
+            t = Trajectory(group_id=gid, sample_index=i, prompt_ids=[1, 2, 3 + gid % 5])
+            t.append_model_tokens([20 + (7 * gid + 3 * i + k) % 200 for k in range(tokens)],
+                                  [-0.5 - 0.1 * k for k in range(tokens)], [0] * tokens)
+            t.status, t.reward = status, reward
+            trajs.append(t)
+        out.append(Group(group_id=gid, problem=None, trajectories=trajs))
+    return out
+
+
+class CraftedService:
+    def __init__(self, delay_s: float = 0.0, marker: str | None = None) -> None:
+        self.delay_s, self.marker = delay_s, marker
+        self.tokenizer = None
+        self._loop = EventLoopThread()
+
+    def submit(self, coro):
+        return self._loop.submit(coro)
+
+    async def arollout(self, problems, config, *, group_id_offset: int = 0, progress: bool = False):
+        if self.marker:
+            Path(self.marker).write_text("rolling")
+        await asyncio.sleep(self.delay_s)
+        return crafted_groups(group_id_offset, len(problems))
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def source_config(prompts: int = 4, mini_batches: int = 1):
+    return apply_overrides(load_recipe("tiny-cpu"), [
+        f"trainer.sampling.prompts_per_step={prompts}", f"trainer.ppo.mini_batches={mini_batches}",
+        "trainer.mode=simpletir", "trainer.progress=false"])
+
+
+def slow_rollout_rank(rank: int, world: int, delay_s: float, out: str) -> None:
+    """A 3 s process-group timeout and a rollout of ``delay_s``: the step completes on both ranks."""
+    import time
+
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.rollout_source import RolloutSource
+
+    init_parallel(1, 1, timeout_s=3.0)
+    with RolloutSource(source_config(), service_factory=lambda: CraftedService(delay_s), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=30.0) as source:
+        t0 = time.monotonic()
+        source.submit(1)
+        got = source.next(1)
+        waited = time.monotonic() - t0
+        ok = torch.ones(1)
+        torch.distributed.all_reduce(ok)  # the default group is healthy after the long wait
+        torch.save({"waited": waited, "rows": got.rows.batch_size, "all_reduce": float(ok)}, f"{out}/rank{rank}.pt")
+
+
+def dp_update_rank(rank: int, world: int, out: str) -> None:
+    """One update from the source's rows; saves what this rank received and (rank 0) the new weights."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.loop import update_policy
+    from megatron_tir.train.rollout_source import RolloutSource
+
+    init_parallel(1, 1)
+    cfg = source_config(prompts=4, mini_batches=2)
+    # adam_eps=1 makes Adam's first step ~ lr * grad (no per-element normalisation that turns float noise in
+    # near-zero gradients into lr-sized steps): the update compared is the gradient of the batch
+    learner = Learner(LearnerConfig(model="tiny-qwen2", lr=1.0, adam_eps=1.0, max_tokens_per_microbatch=24))
+    initial = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
+    with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
+        source.submit(1)
+        got = source.next(1)
+        metrics = update_policy(cfg, got, learner, {}, temperature=1.0)
+        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics}
+    weights = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
+    torch.save(received, f"{out}/received_rank{rank}.pt")
+    if rank == 0:
+        torch.save({"initial": initial, "updated": weights}, f"{out}/weights.pt")
+
+
+def main() -> None:
+    """``python source_ranks.py RANK WORLD PORT DELAY MARKER``: one rank of the rank-0-killed test."""
+    rank, world, port, delay, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port)
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.rollout_source import RolloutSource
+
+    init_parallel(1, 1, timeout_s=3.0)
+    with RolloutSource(source_config(), service_factory=lambda: CraftedService(delay, marker), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=20.0) as source:
+        source.submit(1)
+        source.next(1)
+
+
+if __name__ == "__main__":
+    main()

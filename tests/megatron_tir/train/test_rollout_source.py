@@ -1,0 +1,106 @@
+"""The rollout source across ranks (gloo): ranks wait for rank 0 however long its rollouts take, a
+dead rank 0 ends them in bounded time, and each rank receives only the rows it trains, with the
+update of the whole batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from source_ranks import crafted_groups, dp_update_rank, slow_rollout_rank, source_config
+
+from megatron_tir.policy.parallel import run_ranks
+from megatron_tir.ports import free_port
+from megatron_tir.rollout.factory import InfrastructureError
+from megatron_tir.train.batch import deal_rows, plan_update, to_tensors
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+
+
+def test_a_rollout_longer_than_the_process_group_timeout_completes(tmp_path):
+    run_ranks(slow_rollout_rank, 2, 10.0, str(tmp_path))
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["waited"] >= 9.5 and got["all_reduce"] == 2.0 and got["rows"] > 0
+
+
+def test_a_dead_rank_0_ends_the_waiting_rank_in_bounded_time(tmp_path):
+    port, marker = str(free_port()), tmp_path / "rolling"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "source_ranks.py"), str(r), "2", port, "600", str(marker)],
+                              env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never started its rollout"
+            time.sleep(0.2)
+        time.sleep(2.0)  # rank 1 is waiting for the step's rows now
+        assert procs[1].poll() is None
+        procs[0].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        code = procs[1].wait(timeout=60)
+        assert code != 0 and time.monotonic() - t0 < 60
+        err = procs[1].stderr.read()
+        assert "lost rank 0" in err or "rank 0 gave no sign of life" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_rank_0_without_heartbeat_is_given_up_after_the_alive_timeout():
+    from megatron_tir.train.rollout_source import _HandOff
+
+    h = _HandOff.__new__(_HandOff)  # the wait alone, on a store where rank 0 never writes again
+    h.store, h.rank, h.poll_s, h.alive_timeout_s = torch.distributed.HashStore(), 1, 0.2, 1.0
+    h.store.add("beat", 1)
+    t0 = time.monotonic()
+    with pytest.raises(InfrastructureError, match="rank 0 gave no sign of life for 1 s"):
+        h._wait("step/1", what="step 1's rollouts")
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+
+
+def _expected_shares(dp: int):
+    cfg = source_config(prompts=4, mini_batches=2)
+    plan = plan_update(to_tensors(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
+                       advantage=cfg.trainer.ppo.advantage, overlong=cfg.trainer.filters.overlong, mini_batches=2)
+    return plan, deal_rows(plan.rows, dp)
+
+
+def test_each_data_parallel_rank_receives_only_its_rows_and_the_update_is_the_dp1_update(tmp_path):
+    (tmp_path / "dp1").mkdir()
+    (tmp_path / "dp2").mkdir()
+    run_ranks(dp_update_rank, 1, str(tmp_path / "dp1"))
+    run_ranks(dp_update_rank, 2, str(tmp_path / "dp2"))
+    plan, shares = _expected_shares(2)
+    whole = sum(v.numel() * v.element_size() for v in plan.rows.tensors().values())
+    r0, r1 = (torch.load(tmp_path / "dp2" / f"received_rank{r}.pt") for r in (0, 1))
+    # rank 1 received its share and nothing else (rank 0 keeps its own share, receives nothing)
+    for name, t in shares[1].tensors().items():
+        torch.testing.assert_close(r1["rows"][name], t, rtol=0, atol=0, msg=name)
+    assert r1["bytes"] == sum(v.numel() * v.element_size() for v in shares[1].tensors().values()) < whole
+    assert r0["bytes"] == 0
+    assert r0["rows"]["tokens_BT"].shape[0] + r1["rows"]["tokens_BT"].shape[0] == plan.rows.batch_size
+    # the void row shaped its group's advantages but was not sent anywhere
+    assert int(plan.trained_B.sum()) == plan.rows.batch_size < plan.stats_B.numel()
+    w1, w2 = torch.load(tmp_path / "dp1" / "weights.pt"), torch.load(tmp_path / "dp2" / "weights.pt")
+    moved = 0
+    for name, before in w1["initial"].items():
+        torch.testing.assert_close(w2["initial"][name], before, rtol=0, atol=0, msg=name)
+        step1, step2 = w1["updated"][name] - before, w2["updated"][name] - before
+        torch.testing.assert_close(step2, step1, rtol=1e-4, atol=1e-6, msg=name)
+        moved += float(step1.abs().max()) > 1e-4
+    assert moved >= len(w1["initial"]) // 2  # the update changed the weights it is compared on
+    m1 = torch.load(tmp_path / "dp1" / "received_rank0.pt")["metrics"]
+    assert m1["train/optimizer_steps"] == 2.0 and m1["train/grad_norm"] > 0
+    for key in ("train/loss", "train/grad_norm"):
+        assert r0["metrics"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
