@@ -5,7 +5,8 @@ while rollouts run. At start the sandbox and the engine are checked the way ``ev
 them (``probe_sandbox`` / ``probe_engine``): a run does not start against one that is not there.
 
 New weights reach the engine through its weight sync (``offload`` before training frees a
-colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine); a trajectory in flight never straddles a sync, because a step's
+colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine);
+a trajectory in flight never straddles a sync, because a step's
 rollouts have all finished before the update starts.
 """
 
