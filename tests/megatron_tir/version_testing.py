@@ -43,7 +43,7 @@ def check_versions_against_weights(batch, model_dir, sets) -> None:
     for v, ref in enumerate(refs):
         at_v = mask & (versions == v)
         assert at_v.any(), f"no trained token sampled at version {v}"
-        torch.testing.assert_close(batch.old_logprobs_BT[at_v], ref[at_v], atol=1e-4, rtol=0)
+        torch.testing.assert_close(batch.engine_logprobs_BT[at_v], ref[at_v], atol=1e-4, rtol=0)
         for w, other in enumerate(refs):
             if w != v:  # the versions' weights really differ on these tokens
-                assert (batch.old_logprobs_BT[at_v] - other[at_v]).abs().max() > 1e-2
+                assert (batch.engine_logprobs_BT[at_v] - other[at_v]).abs().max() > 1e-2
