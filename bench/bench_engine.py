@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         for decoder in DECODERS:
             runs = results[(size, decoder)]
             first = runs[0]
-            speed = statistics.median(x["tokens_per_s"] for x in runs)
-            per_cpu = statistics.median(x["tokens_per_cpu_s"] for x in runs)
+            speed = round(statistics.median(x["tokens_per_s"] for x in runs), 1)
+            per_cpu = round(statistics.median(x["tokens_per_cpu_s"] for x in runs), 1)
             roof_tps = roofline_tokens_per_s(size, roof, first["params"], first["weight_bytes"])
             speeds[decoder] = (speed, per_cpu)
             row = {k: first[k] for k in ("model", "decoder", "max_batch_size", "requests", "threads")}

@@ -18,7 +18,8 @@ and entropy: ``megatron_tir.policy.losses``).
 * ``train_step``: forward/backward of a ``LossFn``'s per-token loss over token-budget
   micro-batches (``microbatch``), aggregated so that the result does not depend on the
   micro-batch or data-parallel split, then one optimizer step (skipped, weights untouched,
-  when any gradient is non-finite).
+  when any gradient is non-finite). Tokens a loss drops in the forward (``KEEP_METRIC`` 0)
+  leave the denominator: see ``train_step``.
 * ``named_hf_buckets``: full HF-named tensors (``weights``) by pipeline stage, for the
   engines' weight sync (``megatron_tir.rollout.sync``), which owns how they travel.
 
@@ -45,8 +46,8 @@ import torch
 
 from megatron_tir.policy.build import build_gpt_model, te_available
 from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, read_meta, resolve_checkpoint
-from megatron_tir.policy.learner_config import (AGGREGATIONS, LearnerConfig, LossFn, LossInputs, OutputFn,
-                                                StepResult, TrainBatch)
+from megatron_tir.policy.learner_config import (AGGREGATIONS, KEEP_METRIC, LearnerConfig, LossFn, LossInputs,
+                                                OutputFn, StepResult, TrainBatch)
 from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
@@ -54,6 +55,10 @@ from megatron_tir.policy.value_head import VALUE_HEAD_KEY
 from megatron_tir.policy.weights import hf_buckets, load_hf_weights
 
 log = logging.getLogger(__name__)
+
+# report keys of the learner's own (not metrics): what a micro-batch counts towards the aggregation's
+# denominator after a loss's ``KEEP_METRIC`` (kept tokens / rows), or, without one, before it
+_KEPT, _UNFILTERED = "\0kept", "\0unfiltered"
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSource:
@@ -186,7 +191,7 @@ class Learner:
             self._forward_backward = get_forward_backward_func()
         return self._forward_backward
 
-    def _micro_batches(self, attention_mask_BT: torch.Tensor, local_rows: bool) -> list[MicroBatch]:
+    def _micro_batches(self, attention_mask_BT: torch.Tensor, local_rows: bool = False) -> list[MicroBatch]:
         """This rank's micro-batches: of all rows (dealt here), or of the rows the caller dealt it."""
         from megatron.core import parallel_state
 
@@ -299,6 +304,19 @@ class Learner:
         optimizer step. ``loss_fn`` returns a per-token loss ``[b, L]`` and per-token metrics; the
         learner weights them by the loss mask under ``aggregation``. Collective.
 
+        A per-token metric ``KEEP_METRIC`` (0/1, e.g. the high-ratio filter's, which depends on the
+        current weights) removes the tokens it zeroes from the loss *and* the denominator, so the
+        step equals one with them out of ``loss_mask_BT`` from the start: ``token_mean`` divides by
+        the kept tokens, ``seq_mean`` each row by its kept tokens (a row lies in one micro-batch) and
+        the mean by the rows with any. Those counts are known only after the forward passes: the
+        weights start with the unfiltered denominator, the kept counts travel with the micro-batch
+        reports (summed over micro-batches and data-parallel replicas, one gather per step), and the
+        gradients -- linear in the weights -- are rescaled by ``unfiltered / kept`` before the
+        optimizer step, hence before its gradient clipping (megatron-core's ``optimizer.step``
+        clips, then steps). Metrics keep the unfiltered weights (``KEEP_METRIC``'s mean is the
+        kept share); the reported loss is the filtered one. A step that keeps no token takes no
+        optimizer step (weights, optimizer and lr schedule untouched; not counted as skipped).
+
         ``local_rows``: ``batch`` holds only this data-parallel replica's rows (the caller dealt
         them; every rank of a replica passes the same rows, at least one, loss mask 0 allowed);
         the aggregation's token / row count is summed over the replicas, so the update is the
@@ -340,8 +358,15 @@ class Learner:
                 if tuple(loss_bL.shape) != tuple(tokens_bL.shape):
                     raise ValueError(f"loss_fn returned a loss of shape {tuple(loss_bL.shape)}; "
                                      f"expected per-token {tuple(tokens_bL.shape)}")
-                loss = (loss_bL * weight_bL).sum()
-                report = {"loss": loss.detach().clone()}
+                keep_bL = metrics.get(KEEP_METRIC)
+                mask_bL = mb.pack(loss_mask_BT).to(device) * mb.weight
+                if keep_bL is None:
+                    w_bL, counts = weight_bL, {_UNFILTERED: _denominator(mask_bL, aggregation)}
+                else:
+                    w_bL, kept = _kept_weights(weight_bL, mask_bL, keep_bL.detach().float(), aggregation)
+                    counts = {_KEPT: kept}
+                loss = (loss_bL * w_bL).sum()
+                report = {"loss": loss.detach().clone()} | counts
                 for name, m_bL in metrics.items():
                     report[name] = (m_bL.detach().float() * weight_bL).sum()
                 return loss * scale, report
@@ -353,8 +378,19 @@ class Learner:
         reports = self._run(micro_batches, batch.tokens_BT, loss_for, forward_only=False)
         t_fb = time.perf_counter()
         totals = self._sum_reports(reports)
+        unfiltered = totals.pop(_UNFILTERED, 0.0)
+        kept = totals.pop(_KEPT, None)
+        if kept is not None:  # a loss dropped tokens in the forward: their share leaves the denominator
+            kept += unfiltered
+            factor = total / kept if kept > 0 else 0.0
+            if factor != 1.0:
+                self._model.scale_gradients(factor)  # DDP's grad buffers, read by optimizer.step (clips after)
+                totals["loss"] = totals.get("loss", 0.0) * factor
         skipped = not self._grads_finite()
-        if skipped:
+        if kept is not None and kept <= 0 and not skipped:  # every token dropped: nothing to train on
+            grad_norm, lr = 0.0, self.lr
+            log.warning("no optimizer step: the loss kept none of the %d loss tokens", int(row_tokens_B.sum()))
+        elif skipped:
             grad_norm, lr = float("nan"), self.lr
             log.warning("step skipped: non-finite gradients (loss %.4g)", totals.get("loss", float("nan")))
         else:
@@ -425,3 +461,25 @@ class Learner:
     def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``named_hf_buckets`` without the stages."""
         return (tensors for _, tensors in self.named_hf_buckets(bucket_bytes))
+
+
+def _denominator(mask_bL: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What a micro-batch's rows count towards the aggregation's denominator: loss tokens (token_mean)
+    or rows with any (seq_mean); ``mask_bL`` is 0 throughout on a stand-in micro-batch."""
+    return mask_bL.sum() if aggregation == "token_mean" else (mask_bL.sum(1) > 0).float().sum()
+
+
+def _kept_weights(weight_bL: torch.Tensor, mask_bL: torch.Tensor, keep_bL: torch.Tensor,
+                  aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's loss weights with only the kept tokens, still over the unfiltered global
+    denominator (``train_step`` rescales once the kept count is known), and its kept count: tokens
+    (token_mean), or rows with any kept token (seq_mean, where each row's mean is renormalised here:
+    a row lies in one micro-batch)."""
+    if tuple(keep_bL.shape) != tuple(weight_bL.shape):
+        raise ValueError(f"loss_fn's {KEEP_METRIC!r} has shape {tuple(keep_bL.shape)}; expected "
+                         f"per-token {tuple(weight_bL.shape)}")
+    kept_bL = mask_bL * keep_bL
+    if aggregation == "token_mean":
+        return weight_bL * keep_bL, kept_bL.sum()
+    n_b, k_b = mask_bL.sum(1, keepdim=True), kept_bL.sum(1, keepdim=True)
+    return weight_bL * keep_bL * n_b / torch.where(k_b > 0, k_b, 1.0), (k_b > 0).float().sum()

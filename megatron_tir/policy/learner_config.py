@@ -5,7 +5,10 @@ output for one micro-batch (whatever the model's head produces: for the policy, 
 vocab-parallel logits shard ``[b, L, V/tp]``) and that micro-batch's ``LossInputs`` (token
 ids, mask, row-aligned extras), returning a per-token loss ``[b, L]`` (and per-token
 metrics) that the learner masks and aggregates so that the result does not depend on how
-rows are split into micro-batches and data-parallel ranks. ``OutputFn`` is the forward-only
+rows are split into micro-batches and data-parallel ranks. A loss that drops tokens it can
+only judge in the forward pass (the high-ratio filter) reports a per-token ``KEEP_METRIC``
+(1 kept, 0 dropped): the learner then divides by the kept tokens (rows, for ``seq_mean``)
+only, exactly as if the dropped ones had been out of the loss mask. ``OutputFn`` is the forward-only
 counterpart (per-token outputs such as log-probs). The policy's losses, built from the
 vocab-parallel log-prob / entropy helpers, are in ``megatron_tir.policy.losses``.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_tir.rl.loss import AGGREGATIONS  # noqa: F401 - the Learner checks its aggregation against it
+from megatron_tir.rl.loss import AGGREGATIONS, KEEP_METRIC  # noqa: F401 - the Learner's contract
 
 DTYPES = ("float32", "bfloat16")
 FP8_FORMATS = ("e4m3", "hybrid")  # TransformerConfig.fp8

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean")
+# the per-token metric by which a loss says which tokens it kept (``Learner.train_step``: tokens with
+# keep 0 leave the loss and its denominator, as if they had been out of the loss mask from the start)
+KEEP_METRIC = "loss_keep"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +105,9 @@ class PolicyLoss:
     :meth:`reset` (the Learner reports means only), on the device of the loss and without
     reading it to the host (no synchronisation per micro-batch); ``max_ratio`` reads it (once
     per step). ``high_ratio_bound`` (mode high_ratio_filter): tokens whose ratio exceeds it get
-    no loss.
+    no loss (no surrogate, KL or entropy term) and leave the aggregation's denominator: the loss
+    reports them as ``KEEP_METRIC`` 0, so the step equals one with them out of the loss mask
+    (the low-prob filter's way, decided before the step; the ratio is known only in the forward).
     """
 
     def __init__(self, config: LossConfig, *, high_ratio_bound: float | None = None) -> None:
@@ -133,10 +138,6 @@ class PolicyLoss:
             seen = torch.where(extras["loss_mask_BT"] > 0, metrics["ratio"], 0.0).max()
             prev = self.max_ratio_tensor
             self.max_ratio_tensor = seen if prev is None else torch.maximum(prev, seen)
-        if self.high_ratio_bound is not None:
-            high_BT = metrics["ratio"] > self.high_ratio_bound
-            loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
-            metrics["high_ratio_masked"] = high_BT.float()
         if cfg.kl_coef > 0:
             kl_BT = kl_k3_BT(logprobs_BT, extras["ref_logprobs_BT"])
             loss_BT = loss_BT + cfg.kl_coef * kl_BT
@@ -147,4 +148,9 @@ class PolicyLoss:
             loss_BT = loss_BT - cfg.entropy_coef * entropy_BT
         if entropy_BT is not None:
             metrics["entropy"] = entropy_BT.detach()
+        if self.high_ratio_bound is not None:  # last: a filtered token has no term of the loss at all
+            high_BT = metrics["ratio"] > self.high_ratio_bound
+            loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
+            metrics["high_ratio_masked"] = high_BT.float()
+            metrics[KEEP_METRIC] = (~high_BT).float()
         return loss_BT, metrics

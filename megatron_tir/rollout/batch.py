@@ -119,12 +119,17 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
     )
 
 
+LAG_BINS = 16  # the staleness histogram's last bin: lags of 16 versions or more
+
+
 def weight_version_metrics(versions_BT: torch.Tensor, mask_BT: torch.Tensor, *,
                            current: int | None = None) -> dict[str, float]:
     """What the trainer logs about the weight versions of the tokens it trains on (``mask_BT`` > 0).
 
     With ``current`` (the engine's version now, before this step's sync) also the lag: how
-    many syncs ago a token was sampled (0: by the weights being trained; > 0: off-policy).
+    many syncs ago a token was sampled (0: by the weights being trained; > 0: off-policy), and
+    its histogram: ``train/weight_version_lag_share_K`` the share of the trained tokens sampled
+    K versions ago, for K = 0 .. the largest lag (the last bin, ``LAG_BINS``, holds every larger lag).
     """
     picked = versions_BT[mask_BT > 0]
     if picked.numel() == 0:
@@ -137,4 +142,6 @@ def weight_version_metrics(versions_BT: torch.Tensor, mask_BT: torch.Tensor, *,
         out |= {"train/weight_version_lag_mean": float(lag.float().mean()),
                 "train/weight_version_lag_max": float(lag.max()),
                 "train/weight_version_stale_share": float((lag > 0).float().mean())}
+        counts = torch.bincount(lag.clamp(min=0, max=LAG_BINS), minlength=int(lag.clamp(max=LAG_BINS).max()) + 1)
+        out |= {f"train/weight_version_lag_share_{k}": float(c) / lag.numel() for k, c in enumerate(counts.tolist())}
     return out

@@ -36,7 +36,7 @@ from megatron_tir.tir import PromptConfig
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
 DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
 OLD_LOGPROBS = ("learner", "engine")
-ASYNC_MODES = ("off",)
+ASYNC_MODES = ("off", "one_step")
 ASYNC_KEY = "trainer.async"  # the CLI spelling of trainer.asynchrony (``async`` is a Python keyword)
 
 
@@ -168,6 +168,8 @@ class AsyncConfig:
     the start of the step (the proximal policy), times a detached behaviour weight
     ``pi_prox / pi_engine`` per token, the engine's log-probs of the tokens it sampled being the
     behaviour policy's."""
+    # off | one_step (rollouts of step N + 1 run while step N trains, the sync after they finish: every
+    # group from one weight version, one behind the learner; step 1 is on-policy)
     mode: str = "off"
     correction: str = "clamp"  # clamp (truncated IS, min(w, cap)) | mask (tokens with w > cap leave the loss) | off (w = 1)
     cap: float = 2.0  # C of the behaviour weight

@@ -67,14 +67,22 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     if state.step == 0 and held_out:
         sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
                  | {"time/unix": time.time()})
+    one_step = tc.asynchrony.mode == "one_step"
     steps_without_update = 0
     nonfinite = 0  # consecutive steps with non-finite gradients or weights
     pending_ckpt_s, last_save = None, time.monotonic()
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
-        source.submit(step)
-        got = source.next(step)
+        # trainer.async=one_step: step + 1's rollouts start now and run while this step trains (with the
+        # weights this step trains from: one version stale), drained before the sync below.
+        if not source.submitted(step):
+            source.submit(step)
+        with _timed(timings, "rollout_wait"):
+            got = source.next(step)
+        ahead = one_step and step < tc.steps
+        if ahead:
+            source.submit(step + 1)
         observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
         # 2. the update, then the new weights to the engines (a colocated engine frees its memory meanwhile).
@@ -84,6 +92,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
                                  critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
             nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
+            if ahead:
+                with _timed(timings, "drain"):
+                    source.drain(step + 1)  # generation drained before the push: each group from one version
             with _timed(timings, "sync"):
                 source.sync_weights(learner)
         updated = metrics.get("train/optimizer_steps", 0) > metrics.get("train/skipped_steps", 0) or (

@@ -29,6 +29,7 @@ ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -249,6 +250,18 @@ class RolloutSource:
                               seed=tc.seed * 100003 + step)
         self._pending[step] = (time.perf_counter(), self.service.submit(coro))
 
+    def submitted(self, step: int) -> bool:
+        """Whether ``step``'s rollouts were submitted and not yet consumed (rank 0; True elsewhere: nothing to start)."""
+        return self.rank != 0 or step in self._pending
+
+    def drain(self, step: int) -> None:
+        """Rank 0: wait until ``step``'s rollouts have finished generating (elsewhere nothing), so a
+        weight sync after it never lands in the middle of them: each of their groups comes from one
+        weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
+        every rank."""
+        if self.rank == 0 and step in self._pending:
+            concurrent.futures.wait([self._pending[step][1]])
+
     async def _sample_round(self, rollout_cfg):
         start = self.stream.position  # group ids are positions in the prompt stream
         problems = self.stream.take(self.cfg.trainer.sampling.prompts_per_round)
@@ -302,7 +315,10 @@ class RolloutSource:
                 shares = deal_rows(r, self._handoff.dp_size)
                 header["mini_batches"] = int(r.mini_batch_B.max()) + 1
                 header["turns"] = int(r.turn_index_BT.max()) + 1
-                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT)
+                # the lag against the weights being trained (the engine's version is the learner's: a
+                # sync follows every update): 0 in synchronous training, 1 with trainer.async=one_step
+                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT,
+                                                  current=self.service.weight_version)
                 metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
         metrics["time/rollout"] = time.perf_counter() - t0
         return header, shares, metrics, got

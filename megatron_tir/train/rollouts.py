@@ -85,6 +85,11 @@ class RolloutService:
         trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
         self.runner.run(self.weight_sync.offload())
 
+    @property
+    def weight_version(self) -> int:
+        """The engine's weight version now (one more after every sync)."""
+        return self.engine.weight_version
+
     def sync_from(self, learner) -> int:
         """The learner's current weights into the engine; returns its new weight version
         (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""

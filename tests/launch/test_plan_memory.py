@@ -55,8 +55,14 @@ def _batch(rows: int, length: int, vocab: int, seed: int):
                       extras={"advantages": torch.randn(rows, generator=g)})
 
 
-def _loss(logprobs_BT, entropy_BT, extras):
+def _token_loss(logprobs_BT, entropy_BT, extras):
     return -logprobs_BT * extras["advantages"].unsqueeze(1), {}
+
+
+def _loss(output, inputs):  # the learner's LossFn: the policy's log-probs from the logits shard
+    from megatron_tir.policy.losses import TokenLoss
+
+    return TokenLoss(token_loss=_token_loss)(output, inputs)
 
 
 def measured_peak(model: str, tokens: int, recompute: str | None) -> tuple[float, object]:

@@ -151,6 +151,23 @@ def test_policy_loss_high_ratio_filter_and_max_ratio():
     assert fn.max_ratio == pytest.approx(2.5)  # the masked-out (loss mask 0) token is not counted
 
 
+def test_high_ratio_filter_reports_its_kept_tokens_and_drops_every_term():
+    """The filtered tokens get no surrogate, KL or entropy term, and ``KEEP_METRIC`` 0 (the learner
+    then takes them out of the denominator: tests/megatron_tir/policy/test_learner_keep.py)."""
+    from megatron_tir.rl.loss import KEEP_METRIC
+
+    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.02)
+    logp = torch.log(t(1.0, 2.5, 1.5))[None]
+    extras = {"old_logprobs_BT": torch.zeros(1, 3), "advantages_BT": t(1.0, 1.0, 1.0)[None],
+              "ref_logprobs_BT": t(-0.5, -0.5, -0.5)[None]}
+    ent = t(0.3, 0.3, 0.3)[None]
+    loss, m = PolicyLoss(cfg, high_ratio_bound=2.0)(logp, ent, extras)
+    plain, m0 = PolicyLoss(cfg)(logp, ent, extras)
+    assert m[KEEP_METRIC][0].tolist() == [1, 0, 1] and KEEP_METRIC not in m0
+    assert loss[0, 1] == 0 and plain[0, 1] != 0
+    torch.testing.assert_close(loss[0, [0, 2]], plain[0, [0, 2]])
+
+
 def test_low_prob_keep_masks_each_rows_lowest_tokens():
     lp = torch.tensor([[-1.0, -3.0, -0.5, -2.0, -9.0], [-0.1, -0.2, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0]])

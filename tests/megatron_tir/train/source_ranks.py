@@ -48,6 +48,7 @@ class CraftedService:
     def __init__(self, delay_s: float = 0.0, marker: str | None = None) -> None:
         self.delay_s, self.marker = delay_s, marker
         self.tokenizer = None
+        self.weight_version = 0  # the crafted tokens' version (no sync happens here)
         self._loop = EventLoopThread()
 
     def submit(self, coro):

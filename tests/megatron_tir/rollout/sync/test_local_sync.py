@@ -93,3 +93,14 @@ def test_weight_version_metrics_refuse_tokens_without_a_version():
     assert lag["train/weight_version_lag_mean"] == 0.5 and lag["train/weight_version_stale_share"] == 0.5
     with pytest.raises(ValueError, match="no weight version"):
         weight_version_metrics(versions, torch.ones(1, 4))
+
+
+def test_weight_version_lag_histogram_of_the_trained_tokens():
+    versions = torch.tensor([[-1, 3, 4, 4, 1, 1]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 0.0]])  # trained: versions 3, 4, 4, 1
+    hist = {k: v for k, v in weight_version_metrics(versions, mask, current=4).items() if "lag_share" in k}
+    assert hist == {"train/weight_version_lag_share_0": 0.5, "train/weight_version_lag_share_1": 0.25,
+                    "train/weight_version_lag_share_2": 0.0, "train/weight_version_lag_share_3": 0.25}
+    far = weight_version_metrics(torch.tensor([[0, 30]]), torch.ones(1, 2), current=30)
+    assert far["train/weight_version_lag_share_0"] == 0.5 and far["train/weight_version_lag_share_16"] == 0.5
+    assert "train/weight_version_lag_share_17" not in far
