@@ -85,7 +85,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
             source.submit(step + 1)
         observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
-        # 2. the update, then the new weights to the engines.
+        # 2. the update, then the new weights to the engines (a colocated engine frees its memory meanwhile).
+        if got.rows is not None:
+            source.offload()
         metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference,
                                  critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
