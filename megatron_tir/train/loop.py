@@ -85,7 +85,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
             source.submit(step + 1)
         observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
-        # 2. the update, then the new weights to the engines.
+        # 2. the update, then the new weights to the engines (a colocated engine frees its memory meanwhile).
+        if got.rows is not None:
+            source.offload()
         metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference,
                                  critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
@@ -106,6 +108,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         max_turns, max_tokens = got.rollout_budget
         metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
         metrics |= observer.end_step(step, metrics | timings)
+        if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
+            waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
+            metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "

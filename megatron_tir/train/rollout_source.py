@@ -289,6 +289,9 @@ class RolloutSource:
         got = future.result()
         tc = self.cfg.trainer
         metrics = rollout_metrics(got.sampled)
+        if stale := self.service.take_stale_responses():  # a server restarted with other weights
+            metrics["rollout/stale_responses_dropped"] = float(stale)
+            log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
         metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
         metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
         self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
@@ -348,6 +351,13 @@ class RolloutSource:
         if observe is not None:
             observe(groups)
         return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
+
+    def offload(self) -> None:
+        """Before the update (rank 0): the engine frees its memory where it shares the trainer's
+        devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``.
+        Skipped while a later step's rollouts are in flight: they need the engine."""
+        if self.rank == 0 and not self._pending:
+            self.service.offload()
 
     def sync_weights(self, learner) -> None:
         """The learner's weights into rank 0's engine (collective: every rank calls it)."""

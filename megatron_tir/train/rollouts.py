@@ -4,8 +4,9 @@ thread (:class:`~megatron_tir.train.event_loop.EventLoopThread`), so the main th
 while rollouts run. At start the sandbox and the engine are checked the way ``eval`` checks
 them (``probe_sandbox`` / ``probe_engine``): a run does not start against one that is not there.
 
-New weights reach the engine through its weight sync (``sync_from``; the sync pauses and
-resumes the engine); a trajectory in flight never straddles a sync, because a step's
+New weights reach the engine through its weight sync (``offload`` before training frees a
+colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine);
+a trajectory in flight never straddles a sync, because a step's
 rollouts have all finished before the update starts.
 """
 
@@ -30,6 +31,7 @@ class RolloutService:
     def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir,
                  tools: bool = True) -> None:
         self._stack = contextlib.ExitStack()
+        self._stale_seen = 0
         try:
             self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir, tools)
         except BaseException:
@@ -70,6 +72,18 @@ class RolloutService:
 
         with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
             return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
+
+    def take_stale_responses(self) -> int:
+        """Answers the engine dropped since the last call because their server served older
+        weights (it restarted; the SGLang client retries them elsewhere)."""
+        total = getattr(self.engine, "stale_responses", 0)
+        new, self._stale_seen = total - self._stale_seen, total
+        return new
+
+    def offload(self) -> None:
+        """Before a training phase: the engine pauses and frees its memory where it shares the
+        trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
+        self.runner.run(self.weight_sync.offload())
 
     @property
     def weight_version(self) -> int:

@@ -90,6 +90,35 @@ def pause_mode(mode: PauseMode | str) -> PauseMode:
         raise ValueError(f"pause mode must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
 
 
+# GPU memory an engine frees while the trainer trains (sglang 0.5.23 srt/constants.py GPU_MEMORY_ALL_TYPES).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def check_release(released: tuple[str, ...], tags: Sequence[str] | None, *, paused: bool) -> tuple[str, ...]:
+    """The tags released after releasing ``tags`` (None: all); ValueError / RuntimeError for a
+    release SGLang refuses (it asserts an idle, paused scheduler; a tag is released once)."""
+    tags = tuple(MEMORY_TAGS if tags is None else tags)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown or not tags:
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
+    if not paused:
+        raise RuntimeError("release_memory_occupation needs pause() first: SGLang releases only when idle")
+    again = sorted(set(tags) & set(released))
+    if again:
+        raise ValueError(f"memory tags {again} are already released")
+    return tuple(dict.fromkeys(released + tags))
+
+
+def check_resume(released: tuple[str, ...], tags: Sequence[str] | None) -> tuple[str, ...]:
+    """The tags still released after resuming ``tags`` (None: all released); ValueError for a
+    tag not released (SGLang's scheduler dies on it: ``offload_tags.remove``)."""
+    tags = released if tags is None else tuple(tags)
+    not_released = sorted(set(tags) - set(released))
+    if not_released:
+        raise ValueError(f"memory tags {not_released} were not released (released: {list(released)})")
+    return tuple(t for t in released if t not in tags)
+
+
 def check_generate_args(prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """The checks every engine makes on a ``generate`` call; returns the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):

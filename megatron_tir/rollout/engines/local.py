@@ -59,6 +59,8 @@ from megatron_tir.rollout.engines.base import (
     SamplingParams,
     bind_event_loop,
     check_generate_args,
+    check_release,
+    check_resume,
     pause_mode,
 )
 from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
@@ -177,6 +179,7 @@ class LocalEngine:
         self._wake: asyncio.Event | None = None
         self._resumed: asyncio.Event | None = None
         self._paused = False
+        self.released_memory: tuple[str, ...] = ()  # release/resume_memory_occupation: bookkeeping only
         self._closed = False
         self._loop_task: asyncio.Task | None = None
         log.info("local engine ready: %s, vocab %d, eos %s, max_seq_len %d",
@@ -215,6 +218,9 @@ class LocalEngine:
         shapes and non-floating tensors raise ValueError and leave the model unchanged.
         """
         updates = self._validate_updates(named_tensors)
+        if "weights" in self.released_memory:
+            raise RuntimeError("update_weights while the weights are released: resume_memory_occupation(['weights']) "
+                               "first (SGLang's order; the local engine frees nothing but keeps it)")
         self._ensure_started()
         async with self._step_lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._copy_weights, updates)
@@ -240,10 +246,22 @@ class LocalEngine:
                 self._retract_all()
 
     async def resume(self) -> None:
+        if self.released_memory:
+            raise RuntimeError(f"resume with memory {list(self.released_memory)} still released: "
+                               "resume_memory_occupation first (SGLang would generate into freed memory)")
         self._ensure_started()
         self._paused = False
         self._resumed.set()
         self._wake.set()
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's contract, freeing nothing (the model stays in memory): only while paused,
+        a tag at most once; see :func:`~megatron_tir.rollout.engines.base.check_release`."""
+        self.released_memory = check_release(self.released_memory, tags, paused=self._paused)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take back ``tags`` (None: all released); only tags that were released."""
+        self.released_memory = check_resume(self.released_memory, tags)
 
     async def close(self) -> None:
         """Abort everything in flight and stop the scheduler; the engine cannot be reused."""

@@ -1,7 +1,11 @@
 """What every weight sync is: the learner's HF-named buckets into one kind of engine.
 
 A sync owns the whole update of its engine -- pause, load, flush, resume -- so nothing
-else pauses an engine. After a sync the engine's ``weight_version`` is one more than
+else pauses an engine. Where the engine shares the trainer's devices (colocated SGLang,
+the in-process LocalEngine) ``offload()`` runs before each training phase: it pauses
+generation and releases the engine's memory (``weights``, ``kv_cache``, ``cuda_graph``);
+the next ``update`` then takes the weights back, loads, takes back the KV cache and CUDA
+graphs and resumes -- SGLang 0.5.23's order (see :func:`megatron_tir.rollout.sync.sglang`). After a sync the engine's ``weight_version`` is one more than
 before (every generated token records the version that sampled it; see
 ``Generation.versions``).
 
@@ -30,14 +34,22 @@ class WeightSync(Protocol):
         """Connect (join a process group, read the servers' weight version); once, before ``update``."""
         ...
 
+    async def offload(self) -> None:
+        """Before a training phase: pause generation and release the engine's memory (a no-op
+        where the engine does not share the trainer's devices); the next ``update`` resumes."""
+        ...
+
     async def update(self, buckets: Iterable[Bucket]) -> int:
-        """Pause the engine, load every bucket, flush, resume; returns the engine's new weight version.
+        """Pause the engine (unless ``offload`` did), load every bucket, flush, resume; returns the engine's new weight version.
 
         Generation is resumed on failure too, and the error re-raised.
         """
         ...
 
     async def close(self) -> None: ...
+
+
+WEIGHTS_TAG = "weights"  # resumed before the load; the other tags after it (sglang 0.5.23 weight_updater.py)
 
 
 def buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,

@@ -3,6 +3,11 @@
 pause -> copy every tensor into the model (one ``update_weights``: names and shapes are
 checked before anything is copied) -> resume. The engine counts the update: its
 ``weight_version`` goes up by one.
+
+The LocalEngine shares the trainer's device, so it follows the colocated contract too:
+``offload()`` (pause, release all memory tags) before a training phase, then the update
+resumes ``weights``, loads, resumes ``kv_cache`` + ``cuda_graph`` and resumes generation.
+Its release/resume free nothing, but they are called, and checked, in SGLang's order.
 """
 
 from __future__ import annotations
@@ -10,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from megatron_tir.rollout.engines.base import PauseMode
+from megatron_tir.rollout.engines.base import MEMORY_TAGS, PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
-from megatron_tir.rollout.sync.base import Bucket, check_bucket
+from megatron_tir.rollout.sync.base import WEIGHTS_TAG, Bucket, check_bucket
 
 if TYPE_CHECKING:
     from megatron_tir.rollout.engines.local import LocalEngine
@@ -28,14 +33,24 @@ class LocalWeightSync:
     async def start(self) -> None:
         return None
 
+    async def offload(self) -> None:
+        await self.engine.pause(mode=self.pause_mode)
+        await self.engine.release_memory_occupation(list(MEMORY_TAGS))
+
     async def update(self, buckets: Iterable[Bucket]) -> int:
         named = [item for bucket in buckets for item in check_bucket(bucket)]
-        await self.engine.pause(mode=self.pause_mode)
+        engine = self.engine
+        released = engine.released_memory
+        if not released:
+            await engine.pause(mode=self.pause_mode)
         try:
-            await self.engine.update_weights(named)
+            if WEIGHTS_TAG in released:
+                await engine.resume_memory_occupation([WEIGHTS_TAG])
+            await engine.update_weights(named)
         finally:
-            await self.engine.resume()
-        return self.engine.weight_version
+            await engine.resume_memory_occupation()  # the rest (kv_cache, cuda_graph)
+            await engine.resume()
+        return engine.weight_version
 
     async def close(self) -> None:
         return None

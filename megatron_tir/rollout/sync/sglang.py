@@ -10,6 +10,24 @@ scheduler holds requests):
 
 The session is ended and generation resumed on failure too, and the error re-raised.
 
+Restarts: before each sync every server must answer ``/model_info`` within
+``rejoin_timeout_s`` (else SGLangError naming it: the sync never waits on a server that is
+gone); one whose version is not the engine's restarted (launch weights, not in the group).
+:class:`DistributedWeightSync` then rebuilds the group for all servers (new name and port:
+the others leave the old one) before the buckets go out; the sync brings every server to
+the new version, and the client gives the restarted one work again.
+
+Colocated (:class:`TensorWeightSync`; the servers share the trainer's GPUs), around each
+training phase: ``offload()`` = pause -> flush (retried until the scheduler is idle) -> ``/release_memory_occupation`` (weights,
+kv_cache, cuda_graph: srt/constants.py ``GPU_MEMORY_ALL_TYPES``) -> [the trainer trains]
+-> ``update``: ``/resume_memory_occupation`` weights -> begin .. buckets .. end -> flush
+-> ``/resume_memory_occupation`` kv_cache + cuda_graph -> resume. SGLang requires it so
+(``srt/managers/scheduler_components/weight_updater.py``): release asserts an idle
+scheduler, resume removes each tag from ``offload_tags`` (a tag not released kills the
+scheduler), and a weight load or a forward pass into memory still released writes into
+pages the memory saver unmapped. The IPC handles open only on the GPU's own node:
+``start()`` refuses servers that are not on this node (:func:`check_node_local`).
+
 Versions: ``start()`` reads every server's current ``weight_version`` (``GET
 /model_info``; ``"default"`` at launch, srt/arg_groups/fields/serving.py); each
 ``update`` sends the next integer as ``weight_version`` with every bucket, which the
@@ -42,7 +60,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
-from megatron_tir.rollout.sync.base import Bucket, check_bucket
+from megatron_tir.rollout.engines.base import MEMORY_TAGS
+from megatron_tir.rollout.sync.base import WEIGHTS_TAG, Bucket, check_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +81,7 @@ class DistributedWeightSyncConfig:
     group_name: str = "megatron_tir_weights"
     backend: str = "nccl"  # gloo works on CPU (tests)
     timeout_s: float = 600.0  # joining the group; one broadcast
+    rejoin_timeout_s: float = 120.0  # before a sync: how long a server that is down (restarting) is waited for
     pause_mode: PauseMode = PauseMode.ABORT  # what a sync does with requests in flight
 
     def __post_init__(self) -> None:
@@ -75,6 +95,8 @@ class DistributedWeightSyncConfig:
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.rejoin_timeout_s > 0:
+            raise ValueError(f"rejoin_timeout_s must be > 0, got {self.rejoin_timeout_s}")
         self.pause_mode = as_pause_mode(self.pause_mode)
         if self.pause_mode not in SYNC_PAUSE_MODES:
             raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {self.pause_mode.value}")
@@ -113,10 +135,18 @@ def new_trainer_process_group(*, master_address: str, master_port: int, world_si
 
 async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
     """pause -> begin -> ``await load(version)`` -> end -> flush -> resume; the session ends and
-    generation resumes on failure too. Returns the new version."""
+    generation resumes on failure too. Returns the new version.
+
+    After ``offload`` (the engine is paused, its memory released): resume the weights
+    first, and the KV cache and CUDA graphs after the flush, before resuming generation.
+    """
     version = engine.weight_version + 1
+    released = engine.released_memory
     try:
-        await engine.pause(mode=mode)
+        if not released:
+            await engine.pause(mode=mode)
+        if WEIGHTS_TAG in released:
+            await engine.resume_memory_occupation([WEIGHTS_TAG])
         await engine.begin_weight_update()
         try:
             await load(str(version))
@@ -124,7 +154,10 @@ async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
             await engine.end_weight_update()
         await engine.flush_cache()
     finally:
-        await engine.resume()
+        try:
+            await engine.resume_memory_occupation()  # the rest (kv_cache, cuda_graph); no call when none
+        finally:
+            await engine.resume()
     if engine.weight_version != version:  # every server adopted it (the client records it on success)
         raise RuntimeError(f"weight sync: the servers report version {engine.weight_version}, not {version}")
     return version
@@ -184,19 +217,25 @@ class DistributedWeightSync:
         self.config = config
         self.group = None
         self.world_size = 0
+        self.group_name = config.group_name
+        self.rebuilds = 0  # groups rebuilt for servers that restarted
 
     async def start(self) -> None:
         """Check the servers and read their weight version, then build the group; fails at once
         when a server cannot join."""
-        cfg = self.config
-        infos = await self.engine.server_info(refresh=True)
+        await self.engine.server_info(refresh=True)
         await self.engine.fetch_weight_version()
+        await self._join(self.config.group_name, self.config.master_port, refresh=False)
+
+    async def _join(self, group_name: str, master_port: int, *, refresh: bool = True) -> None:
+        cfg = self.config
+        infos = await self.engine.server_info(refresh=refresh)
         world_size = 1 + sum(info["tp_size"] for info in infos)
         joined = asyncio.wrap_future(_daemon_call(lambda: new_trainer_process_group(
-            master_address=cfg.master_address, master_port=cfg.master_port, world_size=world_size,
-            group_name=cfg.group_name, backend=cfg.backend, timeout_s=cfg.timeout_s)))
+            master_address=cfg.master_address, master_port=master_port, world_size=world_size,
+            group_name=group_name, backend=cfg.backend, timeout_s=cfg.timeout_s)))
         init = asyncio.ensure_future(self.engine.init_weights_update_group(
-            master_address=cfg.master_address, master_port=cfg.master_port, group_name=cfg.group_name,
+            master_address=cfg.master_address, master_port=master_port, group_name=group_name,
             backend=cfg.backend))
         await asyncio.wait({joined, init}, return_when=asyncio.FIRST_EXCEPTION)
         if init.done() and init.exception() is not None:
@@ -209,15 +248,41 @@ class DistributedWeightSync:
             await asyncio.gather(init, return_exceptions=True)
             raise
         await init
-        self.world_size = world_size
-        log.info("weight-update group %s ready (world size %d)", cfg.group_name, world_size)
+        self.world_size, self.group_name = world_size, group_name
+        log.info("weight-update group %s ready (world size %d)", group_name, world_size)
+
+    async def rejoin(self) -> bool:
+        """Before a sync: wait (``rejoin_timeout_s``) for every server; when one restarted (its
+        weight version is not the engine's: it is not in the group any more), rebuild the group
+        for all of them under a new name and port. Returns whether it rebuilt."""
+        import torch.distributed as dist
+
+        behind = await self.engine.wait_servers_back(self.config.rejoin_timeout_s)
+        if not behind and not any(s.stale for s in self.engine.pool.servers):
+            return False
+        log.warning("rebuilding weight-update group %s for %s (restarted)", self.group_name,
+                    ", ".join(s.url for s in self.engine.pool.servers if s.stale))
+        await self.engine.destroy_weights_update_group(self.group_name, best_effort=True)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        from megatron_tir.ports import free_port
+
+        self.rebuilds += 1
+        await self._join(f"{self.config.group_name}-{self.rebuilds}", free_port())
+        return True
+
+    async def offload(self) -> None:
+        """The servers have GPUs of their own: nothing to free."""
+        return None
 
     async def update(self, buckets: Iterable[Bucket]) -> int:
         """One sync: every bucket announced to all servers and broadcast from rank 0."""
         import torch.distributed as dist
 
-        if self.group is None:
+        if self.group is None and not self.rebuilds:
             raise RuntimeError("DistributedWeightSync.start() was not called")
+        await self.rejoin()
         loop = asyncio.get_running_loop()
 
         async def load(weight_version: str) -> None:
@@ -225,7 +290,7 @@ class DistributedWeightSync:
                 bucket = check_bucket(bucket)
                 announce = asyncio.ensure_future(self.engine.update_weights_from_distributed(
                     names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], group_name=self.config.group_name,
+                    shapes=[list(t.shape) for _, t in bucket], group_name=self.group_name,
                     weight_version=weight_version))
 
                 def broadcast(bucket=bucket) -> None:
@@ -248,7 +313,7 @@ class DistributedWeightSync:
         if self.group is None:
             return
         try:
-            await self.engine.destroy_weights_update_group(self.config.group_name)
+            await self.engine.destroy_weights_update_group(self.group_name)
         finally:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -274,23 +339,78 @@ def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int)
     return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
 
 
+def node_addresses() -> frozenset[str]:
+    """This node's IP addresses (its host names resolved, and loopback)."""
+    import socket
+
+    found = {"127.0.0.1", "::1"}
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return frozenset(found)
+
+
+def check_node_local(urls: Iterable[str], local: frozenset[str] | None = None) -> None:
+    """ValueError (one line) when a server is not on this node: CUDA IPC handles open only there."""
+    import socket
+    from urllib.parse import urlsplit
+
+    local = node_addresses() if local is None else local
+    remote = []
+    for url in urls:
+        host = urlsplit(url).hostname or ""
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            addresses = set()
+        if not any(a in local or ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+            remote.append(url)
+    if remote:
+        raise ValueError(f"colocated weight sync (CUDA IPC) needs every SGLang server on this trainer rank's node; "
+                         f"{', '.join(remote)} are elsewhere (run them colocated per node, or use the broadcast sync)")
+
+
 class TensorWeightSync:
     """Colocated sync: CUDA IPC handles of this rank's tensors to every server TP rank."""
 
-    def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT) -> None:
+    def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT,
+                 local_addresses: Iterable[str] | None = None, rejoin_timeout_s: float = 120.0) -> None:
+        if not rejoin_timeout_s > 0:
+            raise ValueError(f"rejoin_timeout_s must be > 0, got {rejoin_timeout_s}")
+        self.rejoin_timeout_s = rejoin_timeout_s
         mode = as_pause_mode(pause_mode)
+        self.local_addresses = None if local_addresses is None else frozenset(local_addresses)
         if mode not in SYNC_PAUSE_MODES:
             raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {mode.value}")
         self.engine = engine
         self.pause_mode = mode
 
     async def start(self) -> None:
-        """Check the servers and read their weight version."""
+        """Refuse servers on other nodes, check the servers and read their weight version."""
+        check_node_local(self.engine.config.server_urls, self.local_addresses)
         await self.engine.server_info(refresh=True)
         await self.engine.fetch_weight_version()
 
+    async def offload(self) -> None:
+        """Before training: pause generation, wait for an idle scheduler, free the servers' weights,
+        KV cache and CUDA graphs.
+
+        Release asserts an idle scheduler (weight_updater.py ``is_fully_idle``) and an abort
+        pause returns while the scheduler may still hold the aborted batch: ``/flush_cache``
+        succeeds only on an idle scheduler, so it is retried first (``SGLangEngine.flush_cache``).
+        """
+        await self.engine.wait_servers_back(self.rejoin_timeout_s)
+        await self.engine.pause(mode=self.pause_mode)
+        await self.engine.flush_cache()
+        await self.engine.release_memory_occupation(list(MEMORY_TAGS))
+
     async def update(self, buckets: Iterable[Bucket]) -> int:
-        tp_sizes = [info["tp_size"] for info in await self.engine.server_info()]
+        """One sync into every server; a server that restarted is waited for (``rejoin_timeout_s``)
+        and updated with the others (no group to rebuild)."""
+        await self.engine.wait_servers_back(self.rejoin_timeout_s)
+        tp_sizes = [info["tp_size"] for info in await self.engine.server_info(refresh=True)]
 
         async def load(weight_version: str) -> None:
             for bucket in buckets:

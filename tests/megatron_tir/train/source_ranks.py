@@ -60,6 +60,9 @@ class CraftedService:
         await asyncio.sleep(self.delay_s)
         return crafted_groups(group_id_offset, len(problems))
 
+    def take_stale_responses(self) -> int:  # RolloutService's: no engine here, nothing dropped
+        return 0
+
     def close(self) -> None:
         self._loop.close()
 

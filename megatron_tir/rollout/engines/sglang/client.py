@@ -33,6 +33,17 @@ drives them)
     ``release_memory_occupation``/``resume_memory_occupation`` (only while paused; resume
     exactly the tags released -- SGLang's scheduler dies resuming a tag it did not release).
 
+Restarts
+    A server restarted (by the launcher's agent) comes back with its launch weights,
+    ``"default"``. Every ``/generate`` answer carries ``meta_info.weight_version`` (the
+    version of its last token, ``srt/utils/weight_versions.py``): an answer older than the
+    version the engine held when the request was sent is dropped and the request retried
+    on another server (``stale_responses`` counts them; when no other server is left the
+    request returns ABORT with ``meta["stale"]``), and that server gets no work until a
+    weight sync brings it up to date (``pool.mark_stale``; the sync rebuilds what it needs,
+    see :mod:`megatron_tir.rollout.sync.sglang`). A health check that finds a server back
+    after it was down also reads its version (``/model_info``) before giving it work.
+
 Weight version
     ``weight_version`` is the servers' version as an int (SGLang's ``"default"`` at launch
     is 0): read with ``fetch_weight_version`` (``GET /model_info``) and set by every
@@ -59,7 +70,10 @@ from megatron_tir.rollout.engines.base import (
     PauseMode,
     SamplingParams,
     bind_event_loop,
+    MEMORY_TAGS,
     check_generate_args,
+    check_release,
+    check_resume,
     pause_mode,
 )
 from megatron_tir.rollout.engines.sglang.pool import ServerPool, ServerState
@@ -73,7 +87,6 @@ from megatron_tir.rollout.engines.sglang.wire import (
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
 SERVER_KEEPALIVE_S = 5.0  # sglang/srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE default
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # never reached the server
 
@@ -143,6 +156,7 @@ class SGLangEngine:
         self.released_memory: tuple[str, ...] = ()  # tags released on every server, not yet resumed
         self._server_info: list[dict[str, Any]] | None = None
         self._weight_version = 0
+        self.stale_responses = 0  # answers dropped because their server served older weights
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
@@ -228,6 +242,14 @@ class SGLangEngine:
             ok, why = False, f"/health failed: {exc!r}"
         if self.paused:  # the probe waited on a pause that began meanwhile: it says nothing
             return ok
+        if ok and not server.healthy:  # back after it was down: it may have restarted with other weights
+            try:
+                served = await self.server_weight_version(server, self.config.health_timeout_s)
+            except SGLangError as exc:
+                ok, why = False, str(exc)
+            else:
+                if served != self._weight_version:
+                    self.pool.mark_stale(server, f"weight version {served}, the engine's is {self._weight_version}")
         if ok:
             self.pool.mark_up(server)
         else:
@@ -250,6 +272,7 @@ class SGLangEngine:
         payload = build_generate_request(prompt, params, rid=rid, stop_token_ids=self.eos_token_ids)
         tried: list[ServerState] = []
         failures: list[str] = []
+        sent_version, stale = self._weight_version, None
         for attempt in range(self.config.max_attempts):
             server = self.pool.pick(exclude=tried, key=params.route_key)
             if server is None:
@@ -280,8 +303,24 @@ class SGLangEngine:
                 continue
             if status != 200:
                 raise ValueError(f"SGLang {server.url} rejected the request ({status}): {error_message(body)}")
-            return parse_generate_response(body, prompt_tokens=len(prompt), eos_token_ids=self.eos_token_ids,
-                                           server=server.url)
+            gen = parse_generate_response(body, prompt_tokens=len(prompt), eos_token_ids=self.eos_token_ids,
+                                          server=server.url)
+            served = gen.versions[-1] if gen.versions else parse_weight_version(
+                gen.meta.get("weight_version"), where="meta_info.weight_version")
+            if served < sent_version:  # the server missed a sync (it restarted): drop the answer
+                self.stale_responses += 1
+                self.pool.mark_stale(server, f"answered with weight version {served}, the engine's is {sent_version}")
+                failures.append(f"{server.url}: stale weights (version {served} < {sent_version})")
+                stale = gen
+                continue
+            return gen
+        behind = [s.url for s in self.pool.servers if s.stale and s.healthy]
+        if stale is not None or (behind and not failures):  # no up-to-date server: flagged, never trained
+            why = f"only stale answers: {'; '.join(failures)}" if stale is not None else (
+                f"the healthy servers {behind} serve stale weights until the next sync")
+            return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.ABORT, prompt_tokens=len(prompt),
+                              meta={"server": stale.meta.get("server") if stale else None, "stale": True,
+                                    "error": why})
         if not failures:
             down = ", ".join(f"{s.url} ({s.last_error})" for s in self.pool.servers)
             raise SGLangError(f"no healthy SGLang server: {down}")
@@ -383,34 +422,67 @@ class SGLangEngine:
         self._server_info = list(await asyncio.gather(*(one(s) for s in self.pool.servers)))
         return self._server_info
 
+    async def server_weight_version(self, server: ServerState, timeout_s: float) -> int:
+        """One server's live weight version (``GET /model_info``); SGLangError naming it otherwise."""
+        await self.start()
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+        try:
+            async with self._session.get(f"{server.url}/model_info", timeout=timeout) as response:
+                status, text = response.status, await response.text()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise SGLangError(f"{server.url}/model_info: {exc!r}") from exc
+        try:
+            info = json.loads(text)
+        except ValueError:
+            info = None
+        if status != 200 or not isinstance(info, dict):
+            raise SGLangError(f"{server.url}/model_info answered {status}: {text[:200]}")
+        return parse_weight_version(info.get("weight_version"), where=f"{server.url}/model_info")
+
+    async def wait_servers_back(self, timeout_s: float, *, poll_s: float = 0.2) -> list[ServerState]:
+        """Before a sync: every server answers ``/model_info`` within ``timeout_s`` (a restarting
+        one is waited for); returns the servers whose version is not the engine's (restarted),
+        marked stale. SGLangError naming each server that did not answer in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        async def one(server: ServerState) -> int:
+            while True:
+                left = deadline - loop.time()
+                try:
+                    return await asyncio.wait_for(self.server_weight_version(server, max(left, 0.05)), max(left, 0.05))
+                except (SGLangError, TimeoutError) as exc:
+                    if loop.time() + poll_s >= deadline:
+                        raise SGLangError(f"{server.url} did not answer within {timeout_s:g}s, so the weight sync "
+                                          f"cannot complete: {exc}") from None
+                await asyncio.sleep(poll_s)
+
+        results = await asyncio.gather(*(one(s) for s in self.pool.servers), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise SGLangError("; ".join(str(e) for e in errors))
+        behind = []
+        for server, version in zip(self.pool.servers, results):
+            if version != self._weight_version:
+                self.pool.mark_stale(server, f"weight version {version}, the engine's is {self._weight_version}")
+                behind.append(server)
+        return behind
+
     async def fetch_weight_version(self) -> int:
         """``GET /model_info`` of every server; records and returns their (highest) weight version.
 
         SGLang 0.5.23 reports the live version there (``/server_info`` holds the launch value).
         """
         await self.start()
-
-        async def one(server: ServerState) -> int:
-            timeout = aiohttp.ClientTimeout(total=self.config.control_timeout_s,
-                                            sock_connect=self.config.connect_timeout_s)
-            try:
-                async with self._session.get(f"{server.url}/model_info", timeout=timeout) as response:
-                    status, text = response.status, await response.text()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise SGLangError(f"{server.url}/model_info: {exc!r}") from exc
-            try:
-                info = json.loads(text)
-            except ValueError:
-                info = None
-            if status != 200 or not isinstance(info, dict):
-                raise SGLangError(f"{server.url}/model_info answered {status}: {text[:200]}")
-            return parse_weight_version(info.get("weight_version"), where=f"{server.url}/model_info")
-
-        versions = await asyncio.gather(*(one(s) for s in self.pool.servers))
+        versions = await asyncio.gather(*(self.server_weight_version(s, self.config.control_timeout_s)
+                                          for s in self.pool.servers))
         if len(set(versions)) > 1:
             log.warning("SGLang servers hold different weight versions %s; the next sync aligns them",
                         dict(zip((s.url for s in self.pool.servers), versions)))
         self._weight_version = max(versions)
+        for server, version in zip(self.pool.servers, versions):
+            if version != self._weight_version:
+                self.pool.mark_stale(server, f"weight version {version}, the others' is {self._weight_version}")
         return self._weight_version
 
     async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
@@ -483,31 +555,22 @@ class SGLangEngine:
         The servers must run with ``--enable-memory-saver`` (without it nothing is freed).
         """
         tags = tuple(MEMORY_TAGS if tags is None else tags)
-        unknown = sorted(set(tags) - set(MEMORY_TAGS))
-        if unknown or not tags:
-            raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
-        if not self.paused:
-            raise RuntimeError("release_memory_occupation needs pause() first: SGLang releases only when idle")
-        again = sorted(set(tags) & set(self.released_memory))
-        if again:
-            raise ValueError(f"memory tags {again} are already released")
+        released = check_release(self.released_memory, tags, paused=self.paused)
         no_saver = [s.url for s, info in zip(self.pool.servers, await self.server_info())
                     if not info.get("enable_memory_saver")]
         if no_saver:
             raise SGLangError(f"{', '.join(no_saver)} run(s) without --enable-memory-saver: release frees nothing")
         await self.call_all("/release_memory_occupation", {"tags": list(tags)})
-        self.released_memory = tuple(dict.fromkeys(self.released_memory + tags))
+        self.released_memory = released
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Take back the memory released (None: exactly the tags released; nothing: no call)."""
         tags = self.released_memory if tags is None else tuple(tags)
         if not tags:
             return
-        not_released = sorted(set(tags) - set(self.released_memory))
-        if not_released:
-            raise ValueError(f"memory tags {not_released} were not released (released: {list(self.released_memory)})")
+        still = check_resume(self.released_memory, tags)
         await self.call_all("/resume_memory_occupation", {"tags": list(tags)})
-        self.released_memory = tuple(t for t in self.released_memory if t not in tags)
+        self.released_memory = still
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, group_name: str,
                                         backend: str = "nccl") -> int:
@@ -526,8 +589,15 @@ class SGLangEngine:
         })
         return world_size
 
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self.call_all("/destroy_weights_update_group", {"group_name": group_name})
+    async def destroy_weights_update_group(self, group_name: str, *, best_effort: bool = False) -> None:
+        """Leave the group on every server; ``best_effort``: a server that cannot (it restarted
+        and never joined, or is gone) is logged, not raised."""
+        if not best_effort:
+            await self.call_all("/destroy_weights_update_group", {"group_name": group_name})
+            return
+        for result in await self._call_each("/destroy_weights_update_group", {"group_name": group_name}):
+            if isinstance(result, BaseException):
+                log.info("leaving weight-update group %s: %s", group_name, result)
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]], group_name: str,
@@ -544,6 +614,7 @@ class SGLangEngine:
         await self.call_all("/update_weights_from_distributed", payload)
         if version is not None:
             self._weight_version = version
+            self.pool.mark_fresh()
 
     async def update_weights_from_tensor(self, payloads: Sequence[Sequence[str]], *, load_format: str | None = None,
                                          weight_version: str | None = None) -> None:
@@ -569,3 +640,4 @@ class SGLangEngine:
         await self.call_all("/update_weights_from_tensor", payload_for=body)
         if version is not None:
             self._weight_version = version
+            self.pool.mark_fresh()

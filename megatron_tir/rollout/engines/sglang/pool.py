@@ -4,7 +4,8 @@ Routing: a request with a ``route_key`` goes to the server that took the key's f
 request while that server is healthy (sticky affinity: the turns of one trajectory share
 a growing prefix, which that server's radix cache holds); otherwise, and for requests
 without a key, to the healthy server with the fewest requests in flight (ties: round
-robin). When a key's server is down or failed the request, the key moves to the server
+robin). Servers marked stale (they answered with older weights than the engine's: they
+restarted) get no work until the next weight sync brings them back. When a key's server is down or failed the request, the key moves to the server
 chosen instead. The key table keeps the ``max_keys`` most recently used keys.
 """
 
@@ -25,6 +26,7 @@ class ServerState:
     healthy: bool = True
     in_flight: int = 0
     last_error: str | None = None
+    stale: bool = False  # serves other weights than the engine's (it restarted): no work until a sync
 
 
 class ServerPool:
@@ -39,7 +41,7 @@ class ServerPool:
         self._affinity: collections.OrderedDict[str, ServerState] = collections.OrderedDict()
 
     def pick(self, exclude: Sequence[ServerState] = (), key: str | None = None) -> ServerState | None:
-        candidates = [s for s in self.servers if s.healthy and s not in exclude]
+        candidates = [s for s in self.servers if s.healthy and not s.stale and s not in exclude]
         if not candidates:
             return None
         if key is not None:
@@ -61,6 +63,19 @@ class ServerPool:
         if server.healthy:
             log.warning("SGLang server %s marked unhealthy: %s", server.url, why)
         server.healthy, server.last_error = False, why
+
+    def mark_stale(self, server: ServerState, why: str) -> None:
+        if not server.stale:
+            log.warning("SGLang server %s serves stale weights (%s): no work until the next weight sync",
+                        server.url, why)
+        server.stale = True
+
+    def mark_fresh(self) -> None:
+        """After a weight sync every server serves the engine's weights."""
+        for server in self.servers:
+            if server.stale:
+                log.info("SGLang server %s rejoined with the current weights", server.url)
+            server.stale = False
 
     def mark_up(self, server: ServerState) -> None:
         if not server.healthy:

@@ -24,7 +24,12 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
      scheduler is paused); resume with no tags resumes all tags and a tag not released
      raises (``offload_tags.remove``); either failure kills the scheduler, and with it the
      server (``managers/scheduler.py`` sends SIGQUIT). Without ``--enable-memory-saver``
-     nothing is freed (``utils/torch_memory_saver_adapter.py``).
+     nothing is freed (``utils/torch_memory_saver_adapter.py``). With it, the memory saver
+     unmaps the pages of a released tag: a weight load while ``weights`` is released, or a
+     forward pass (a ``/generate`` reaching the scheduler) while any tag is released, writes
+     into unmapped memory -- a CUDA illegal-address error that kills the scheduler
+     (``managers/scheduler_components/weight_updater.py`` resumes ``weights`` before a load
+     can use them; a colocated trainer resumes weights, loads, then kv_cache + cuda_graph).
   5. flush -- ``/flush_cache`` answers 400 unless the scheduler is idle (a paused scheduler
      ignores its waiting queue); right after an abort the scheduler still holds the batch
      for ``abort_drain_s``. ``?timeout=S`` waits for a fully idle scheduler (waiting queue
@@ -297,6 +302,9 @@ class FakeSGLangServer:
         except types.JsonContractError as exc:
             return self._reject(f"/generate: {exc}")
         await self._unpaused.wait()
+        if self.memory_freed:
+            return self.crash(request, f"CUDA error: an illegal memory access (a forward pass with "
+                                       f"{sorted(self.memory_freed)} released)")
         cached = self.radix.match(list(parsed.input_ids))
         self.in_scheduler += 1
         try:
@@ -373,6 +381,11 @@ class FakeSGLangServer:
         self.session_open = False
         return _json({"success": True, "message": "Success"})
 
+    def _weights_unmapped(self, request) -> web.Response | None:
+        if "weights" in self.memory_freed:
+            return self.crash(request, "CUDA error: an illegal memory access (a weight load into released weights)")
+        return None
+
     def _after_update(self, body: dict, message: str) -> web.Response:
         if body.get("flush_cache", True):
             if not self.idle(ignore_waiting=self.scheduler_pause is not None):
@@ -432,6 +445,8 @@ class FakeSGLangServer:
         if not self.session_open:
             return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_distributed")},
                          status=400)
+        if (gone := self._weights_unmapped(request)) is not None:
+            return gone
         group_name = body.get("group_name", "weight_update_group")
         if group_name not in self.groups:
             return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
@@ -458,6 +473,8 @@ class FakeSGLangServer:
         if not self.session_open:
             return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_tensor")},
                          status=400)
+        if (gone := self._weights_unmapped(request)) is not None:
+            return gone
         if len(body["serialized_named_tensors"]) < self.tp_size:  # tp_worker.deserialize_own_rank: [tp_rank]
             return self.crash(request, "IndexError: list index out of range (serialized_named_tensors)")
         return self._after_update(body, "Success")

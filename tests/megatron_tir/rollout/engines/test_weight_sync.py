@@ -112,8 +112,9 @@ def test_generate_pause_sync_resume_generate_uses_the_new_weights(servers, new_w
         state = fake_state(server.url)
         paths = [p for p in state["paths"][mark:] if p != "/generate"]
         paths = [p for i, p in enumerate(paths) if not p == paths[i - 1] == "/flush_cache"]  # refusals retried
-        assert paths == (["/server_info", "/model_info", "/init_weights_update_group", "/pause_generation",
-                          "/begin_weight_update"]
+        assert paths == (["/server_info", "/model_info", "/init_weights_update_group",
+                          "/model_info",  # every server's version before the sync (one that restarted rejoins)
+                          "/pause_generation", "/begin_weight_update"]
                          + ["/update_weights_from_distributed"] * buckets
                          + ["/end_weight_update", "/flush_cache", "/continue_generation",
                             "/destroy_weights_update_group"])

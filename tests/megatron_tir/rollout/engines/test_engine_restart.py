@@ -1,0 +1,134 @@
+"""Engines that restart: a server that comes back with its launch weights is seen through its
+weight version (sglang 0.5.23 ``meta_info.weight_version`` on every answer, ``/model_info``),
+its stale answers are dropped and retried elsewhere, it gets no work until the next sync
+brings it up to date, and a server that never comes back fails the sync in bounded time.
+
+A "restart" is what the launcher's agent does: the server process goes away and a fresh one
+listens on the same port, at weight version ``"default"`` (fake_sglang.py rule 9).
+``serialize_for_tp_ranks`` needs CUDA: on CPU the payload is a stand-in string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from engine_testing import run
+from fake_sglang import FakeSGLangServer
+from sglang_testing import canned_response, client, scripted
+
+from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
+from megatron_tir.rollout.engines.sglang import SGLangError
+from megatron_tir.rollout.sync import sglang as ws
+
+PARAMS = SamplingParams(max_new_tokens=3)
+BUCKETS = [(0, [("model.norm.weight", torch.ones(4))])]
+
+
+@pytest.fixture(autouse=True)
+def cpu_payloads(monkeypatch):
+    monkeypatch.setattr(ws, "serialize_for_tp_ranks", lambda bucket, tp: ["c3RhbmQtaW4="] * tp)
+
+
+def fake() -> FakeSGLangServer:
+    return FakeSGLangServer(scripted(canned_response))
+
+
+async def restart(server: FakeSGLangServer) -> FakeSGLangServer:
+    await server.stop()
+    fresh = fake()
+    await fresh.start(port=server.port)
+    return fresh
+
+
+def generated_at(server: FakeSGLangServer) -> int:
+    return sum(p == "/generate" for p, _ in server.requests)
+
+
+def test_a_restarted_servers_stale_answers_are_dropped_and_it_rejoins_the_next_sync():
+    async def main():
+        a, b = fake(), fake()
+        async with client([await a.start(), await b.start()]) as engine:
+            sync = ws.TensorWeightSync(engine)
+            await sync.start()
+            assert await sync.update(BUCKETS) == 1
+            b = await restart(b)  # back at "default": it missed version 1
+            during = [await engine.generate([1, 2], PARAMS) for _ in range(4)]
+            stale, at_b = engine.stale_responses, generated_at(b)
+            assert await sync.update(BUCKETS) == 2  # b is updated with a: it serves again
+            after = [await engine.generate([1, 2], PARAMS) for _ in range(4)]
+        await a.stop()
+        await b.stop()
+        return a, b, during, stale, at_b, after, engine
+
+    a, b, during, stale, at_b, after, engine = run(main())
+    assert stale == 1 and at_b == 1  # its one answer was dropped, then it got no work
+    assert all(g.finish_reason is FinishReason.LENGTH and g.versions == [1, 1, 1] and g.meta["server"] == a.url
+               for g in during)
+    assert all(g.versions == [2, 2, 2] for g in after)
+    assert {g.meta["server"] for g in after} == {a.url, b.url} and b.weight_version == "2"
+    assert engine.stale_responses == 1 and not any(s.stale for s in engine.pool.servers)
+
+
+def test_a_stale_answer_with_no_other_server_is_flagged_not_returned_as_fresh():
+    async def main():
+        a = fake()
+        async with client([await a.start()]) as engine:
+            sync = ws.TensorWeightSync(engine)
+            await sync.start()
+            await sync.update(BUCKETS)
+            a = await restart(a)
+            out = await engine.generate([1, 2], PARAMS)
+            later = await engine.generate([1, 2], PARAMS)  # no fresh server: nothing is sent
+        await a.stop()
+        return out, later, generated_at(a), engine.stale_responses
+
+    out, later, sent, stale = run(main())
+    assert out.finish_reason is FinishReason.ABORT and out.meta["stale"] and out.token_ids == []
+    assert later.finish_reason is FinishReason.ABORT and sent == 1 and stale == 1
+
+
+def test_a_health_check_that_finds_a_restarted_server_reads_its_version_before_giving_it_work():
+    async def main():
+        a, b = fake(), fake()
+        async with client([await a.start(), await b.start()], health_timeout_s=3.0) as engine:
+            a.health_generation = b.health_generation = False
+            sync = ws.TensorWeightSync(engine)
+            await sync.start()
+            await sync.update(BUCKETS)
+            await b.stop()
+            down = await engine.check_health()
+            b = await restart(b)
+            b.health_generation = False
+            up = await engine.check_health()
+            outs = [await engine.generate([1, 2], PARAMS) for _ in range(3)]
+        await a.stop()
+        await b.stop()
+        return a, b, down, up, outs, engine
+
+    a, b, down, up, outs, engine = run(main())
+    assert down[b.url] is False and up[b.url] is True
+    assert engine.pool.servers[1].stale and generated_at(b) == 0 and engine.stale_responses == 0
+    assert all(g.meta["server"] == a.url and g.versions == [1, 1, 1] for g in outs)
+
+
+def test_a_server_that_never_comes_back_fails_the_sync_in_bounded_time_naming_it():
+    async def main():
+        a, b = fake(), fake()
+        async with client([await a.start(), await b.start()]) as engine:
+            sync = ws.TensorWeightSync(engine, rejoin_timeout_s=1.0)
+            await sync.start()
+            await sync.update(BUCKETS)
+            await b.stop()  # and nothing restarts it
+            tic = time.monotonic()
+            with pytest.raises(SGLangError) as caught:
+                await asyncio.wait_for(sync.update(BUCKETS), 30)
+            took = time.monotonic() - tic
+        await a.stop()
+        return b.url, str(caught.value), took, a
+
+    url, message, took, a = run(main())
+    assert url in message and "did not answer within 1s" in message and took < 5
+    assert not any(p == "/pause_generation" for p, _ in a.requests[-3:])  # refused before pausing anyone
