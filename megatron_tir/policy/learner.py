@@ -184,7 +184,7 @@ class Learner:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _schedule(self):
+    def _pipeline_schedule(self):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if self._forward_backward is None:
@@ -218,7 +218,7 @@ class Learner:
             return output, loss_for(mb, tokens_bL)
 
         longest = max(mb.length for mb in micro_batches)
-        return self._schedule()(forward_step_func=forward_step, data_iterator=it, model=[self._model],
+        return self._pipeline_schedule()(forward_step_func=forward_step, data_iterator=it, model=[self._model],
                                 num_microbatches=len(items), seq_length=longest,
                                 micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only)
 
