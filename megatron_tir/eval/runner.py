@@ -16,7 +16,6 @@ describe the cluster, not the model.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -31,15 +30,13 @@ from megatron_tir.observe.dumps import trajectory_record
 from megatron_tir.rollout.batch import Group, flatten
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
+from megatron_tir.rollout.event_loop import EventLoopThread
 from megatron_tir.rollout.factory import (
     EngineConfig,
     InfrastructureError,
     SandboxConfig,
-    build_engine,
-    check_engine,
-    check_sandbox,
     engine_settings,
-    open_sandbox,
+    open_rollout_parts,
     resolve_model_dir,
 )
 
@@ -135,7 +132,6 @@ def metrics_path(out: str | os.PathLike) -> Path:
 def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
     from megatron_tir.data.generated import load_eval_problems
     from megatron_tir.eval.report import report_rows
-    from megatron_tir.reward import MathVerifier
     from megatron_tir.rollout import TIRRollout
 
     # Everything the user typed is checked before anything slow starts.
@@ -152,12 +148,12 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
     with contextlib.ExitStack() as stack:
         if out_path is not None:
             stack.callback(tmp_path.unlink, missing_ok=True)
-        sandbox = None
-        if cfg.rollout.tools:
-            sandbox = stack.enter_context(open_sandbox(cfg.sandbox))
-            asyncio.run(check_sandbox(sandbox, cfg.sandbox, timeout_s=cfg.probe_timeout_s))
-        verifier = stack.enter_context(MathVerifier())
-        engine, tokenizer = build_engine(cfg.engine, model_dir=model_dir, settings=settings)
+        # the same assembly and start-up checks as the trainer's rollout service, on one event-loop thread
+        runner = stack.enter_context(EventLoopThread(name="eval-loop"))
+        parts = open_rollout_parts(stack, runner.run, engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox,
+                                   model_dir=model_dir, tools=cfg.rollout.tools, settings=settings,
+                                   probe_timeout_s=cfg.probe_timeout_s)
+        tokenizer = parts.tokenizer
         sink = stack.enter_context(open(tmp_path, "w")) if out_path else None
         bar = None
         if progress:
@@ -179,15 +175,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
                 bar.set_postfix(reward=f"{seen['reward'] / seen['n']:.3f}", void=f"{seen['void'] / seen['n']:.2f}")
                 bar.update(1)
 
-        async def main() -> list[Group]:
-            try:
-                await check_engine(engine, tokenizer, cfg.engine, timeout_s=cfg.probe_timeout_s)
-                return await TIRRollout(engine, tokenizer, sandbox, cfg.rollout, verifier=verifier).run(
-                    problems, on_done=on_done)
-            finally:
-                await engine.close()
-
-        groups = asyncio.run(main())
+        groups = runner.run(TIRRollout(parts.engine, tokenizer, parts.sandbox, cfg.rollout,
+                                       verifier=parts.verifier).run(problems, on_done=on_done))
         if sink is not None:
             sink.close()
             os.replace(tmp_path, out_path)

@@ -193,3 +193,32 @@ async def check_engine(engine: GenerationEngine, tokenizer, cfg: EngineConfig, *
     """The start-up check of eval and the trainer: the engine answers a 1-token request."""
     where = ", ".join(cfg.urls) if cfg.kind == "sglang" else f"local engine ({cfg.model})"
     await probe_engine(engine, tokenizer, timeout_s=timeout_s, what=f"engine {where}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutParts:
+    """What a rollout needs beside its config: the sandbox (None without tools), the verifier,
+    the engine and its tokenizer -- assembled and checked the same way by eval and the trainer."""
+    sandbox: object | None
+    verifier: object
+    engine: GenerationEngine
+    tokenizer: object
+
+
+def open_rollout_parts(stack, run, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None,
+                       model_dir: Path | None = None, tools: bool = True, settings=None,
+                       probe_timeout_s: float | None = None) -> RolloutParts:
+    """Open the sandbox (and check that it runs a program), the answer checker and the engine
+    (and check that it answers) into ``stack`` (a ``contextlib.ExitStack``: closing it closes
+    them). ``run(coro)`` runs a coroutine on the event loop the engine will serve on."""
+    from megatron_tir.reward import MathVerifier
+
+    sandbox = None
+    if tools:
+        sandbox = stack.enter_context(open_sandbox(sandbox_cfg))
+        run(check_sandbox(sandbox, sandbox_cfg, timeout_s=probe_timeout_s))
+    verifier = stack.enter_context(MathVerifier(reward_cfg))
+    engine, tokenizer = build_engine(engine_cfg, model_dir=model_dir, settings=settings)
+    stack.callback(lambda: run(engine.close()))
+    run(check_engine(engine, tokenizer, engine_cfg, **({} if probe_timeout_s is None else {"timeout_s": probe_timeout_s})))
+    return RolloutParts(sandbox=sandbox, verifier=verifier, engine=engine, tokenizer=tokenizer)

@@ -1,6 +1,6 @@
 """Rank 0's rollout service: the generation engine, the sandbox cluster, the verifier and the
 async rollout driver, kept alive across steps on one asyncio event loop that runs on its own
-thread (:class:`~megatron_tir.train.event_loop.EventLoopThread`), so the main thread is free
+thread (:class:`~megatron_tir.rollout.event_loop.EventLoopThread`), so the main thread is free
 while rollouts run. At start the sandbox and the engine are checked the way ``eval`` checks
 them (``probe_sandbox`` / ``probe_engine``): a run does not start against one that is not there.
 
@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
-from megatron_tir.rollout.factory import (EngineConfig, SandboxConfig, build_engine, build_weight_sync, check_engine,
-                                         check_sandbox, open_sandbox)
-from megatron_tir.train.event_loop import EventLoopThread
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_weight_sync, open_rollout_parts
+from megatron_tir.rollout.event_loop import EventLoopThread
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +38,11 @@ class RolloutService:
             raise
 
     def _start(self, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg, model_dir, tools: bool) -> None:
-        from megatron_tir.reward import MathVerifier
-
         self.runner = self._stack.enter_context(EventLoopThread())
-        self.sandbox = None
-        if tools:
-            self.sandbox = self._stack.enter_context(open_sandbox(sandbox_cfg))
-            self.runner.run(check_sandbox(self.sandbox, sandbox_cfg))
-        self.verifier = self._stack.enter_context(MathVerifier(reward_cfg))
-        self.engine, self.tokenizer = build_engine(engine_cfg, model_dir=model_dir)
-        self._stack.callback(lambda: self.runner.run(self.engine.close()))
-        self.runner.run(check_engine(self.engine, self.tokenizer, engine_cfg))
+        parts = open_rollout_parts(self._stack, self.runner.run, engine_cfg=engine_cfg, sandbox_cfg=sandbox_cfg,
+                                   reward_cfg=reward_cfg, model_dir=model_dir, tools=tools)
+        self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
+                                                                    parts.tokenizer)
         self.weight_sync = build_weight_sync(engine_cfg, self.engine)
         self.runner.run(self.weight_sync.start())
         self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))

@@ -158,7 +158,7 @@ def scripted(monkeypatch, script, **engine_kw):
         made.append(ScriptedEngine(tok, script, **engine_kw))
         return made[0], tok
 
-    monkeypatch.setattr("megatron_tir.eval.runner.build_engine", build_engine)
+    monkeypatch.setattr("megatron_tir.rollout.factory.build_engine", build_engine)  # the shared assembly builds it
     return made
 
 

@@ -17,7 +17,7 @@ import torch
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
 from megatron_tir.train.config import apply_overrides, load_recipe
-from megatron_tir.train.event_loop import EventLoopThread
+from megatron_tir.rollout.event_loop import EventLoopThread
 
 C, V = FinishStatus.COMPLETED, FinishStatus.VOID
 # per group: (status, reward, model tokens) of each sample -- lengths differ so the dealing matters

@@ -31,9 +31,10 @@ def scripted_engine(monkeypatch):
         tok = AutoTokenizer.from_pretrained(model_dir)
         return ScriptedEngine(tok, writes_code), tok
 
-    monkeypatch.setattr("megatron_tir.train.rollouts.build_engine", build_engine)
+    monkeypatch.setattr("megatron_tir.rollout.factory.build_engine", build_engine)  # the shared assembly builds it
     # the scripted engine has no weights to receive
     monkeypatch.setattr("megatron_tir.train.rollouts.RolloutService.sync_from", lambda self, learner: None)
+    monkeypatch.setattr("megatron_tir.train.rollouts.RolloutService.offload", lambda self: None)  # nor memory to free
 
 
 def run_cli(capsys, *argv):
