@@ -24,12 +24,20 @@ def _reshard_rank(rank: int, world: int, src: str, dst: str, tp: int, pp: int) -
     from megatron_tir.policy.build import build_gpt_model
     from megatron_tir.policy.parallel import init_parallel
 
+    from tqdm import tqdm
+
     meta = read_meta(Path(src))
     init_parallel(tp, pp)
-    model = build_gpt_model(meta.spec, perform_initialization=False)
-    load_model(model, Path(src))
-    save_model(model, Path(dst), spec=meta.spec, hf_config=meta.hf_config, hf_files=Path(src) / HF_FILES_DIR,
-               iteration=meta.iteration, source=meta.source or src)
+    # progress on rank 0, on a terminal only (as the conversions): build, load, save
+    with tqdm(total=3, desc=f"reshard to tp={tp} pp={pp}", unit="phase", leave=False,
+              disable=None if rank == 0 else True) as bar:
+        model = build_gpt_model(meta.spec, perform_initialization=False)
+        bar.update(1)
+        load_model(model, Path(src))
+        bar.update(1)
+        save_model(model, Path(dst), spec=meta.spec, hf_config=meta.hf_config, hf_files=Path(src) / HF_FILES_DIR,
+                   iteration=meta.iteration, source=meta.source or src)
+        bar.update(1)
 
 
 def reshard(ckpt: Path, out: Path, *, tp: int, pp: int) -> Path:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -184,7 +184,7 @@ class Learner:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _schedule(self):
+    def _pipeline_schedule(self):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if self._forward_backward is None:
@@ -201,8 +201,10 @@ class Learner:
                                  dp_rank=parallel_state.get_data_parallel_rank() if dealt else 0,
                                  dp_size=parallel_state.get_data_parallel_world_size() if dealt else 1)
 
-    def _run(self, micro_batches: list[MicroBatch], tokens_BT: torch.Tensor, loss_for, *, forward_only: bool):
-        """The schedule over ``micro_batches``; ``loss_for(mb, inputs)`` -> loss function of the model output."""
+    def _run(self, micro_batches: list[MicroBatch], tokens_BT: torch.Tensor, loss_for, *, forward_only: bool,
+             tick: Callable[[], None] | None = None):
+        """The schedule over ``micro_batches``; ``loss_for(mb, inputs)`` -> loss function of the model output;
+        ``tick()`` after each micro-batch's forward (a progress bar)."""
         device = next(self._model.parameters()).device
         items = [(mb, mb.pack(tokens_BT).to(device)) for mb in micro_batches]
         it = iter(items)
@@ -211,10 +213,12 @@ class Learner:
             mb, tokens_bL = next(data_iterator)
             position_ids_bL = torch.arange(tokens_bL.shape[1], device=device).expand_as(tokens_bL)
             output = model(input_ids=tokens_bL, position_ids=position_ids_bL, attention_mask=None)
+            if tick is not None:
+                tick()
             return output, loss_for(mb, tokens_bL)
 
         longest = max(mb.length for mb in micro_batches)
-        return self._schedule()(forward_step_func=forward_step, data_iterator=it, model=[self._model],
+        return self._pipeline_schedule()(forward_step_func=forward_step, data_iterator=it, model=[self._model],
                                 num_microbatches=len(items), seq_length=longest,
                                 micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only)
 
@@ -240,10 +244,12 @@ class Learner:
         return out_BT
 
     def forward(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, output_fn: OutputFn,
-                names: tuple[str, ...], *, local_rows: bool = False) -> dict[str, torch.Tensor]:
+                names: tuple[str, ...], *, local_rows: bool = False,
+                tick: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
         """``{name: [B, T] float32}`` for each of ``names``: what ``output_fn(model output, inputs)``
         returns per token for each micro-batch (0 on padding), on every rank. Forward only. Collective.
-        ``local_rows``: the rows are this data-parallel replica's only (see ``train_step``)."""
+        ``local_rows``: the rows are this data-parallel replica's only (see ``train_step``); ``tick()``
+        is called after each micro-batch's forward (progress)."""
         from megatron.core import parallel_state
 
         self._check_batch(tokens_BT, attention_mask_BT)
@@ -264,7 +270,7 @@ class Learner:
 
         self._model.eval()
         with torch.no_grad():
-            results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True)
+            results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True, tick=tick)
         contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
         outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device) for n in names}
         if contributes:
@@ -276,14 +282,15 @@ class Learner:
         return dict(zip(names, stacked))
 
     def logprobs(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, temperature: float = 1.0,
-                 with_entropy: bool = False, local_rows: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 with_entropy: bool = False, local_rows: bool = False,
+                 tick: Callable[[], None] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The policy's ``[B, T]`` float32: column t = log p(token t | tokens < t) under ``logits /
         temperature``; 0 at each row's first token and on padding. With ``with_entropy`` also the
         ``[B, T]`` entropy of the distribution that predicted each token (same columns). Collective."""
         if self.value_head:
             raise ValueError("a critic (learner.head=value) has no log-probs: use values()")
         output_fn = TokenOutputs(temperature=temperature, with_entropy=with_entropy)
-        out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names, local_rows=local_rows)
+        out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names, local_rows=local_rows, tick=tick)
         return (out["logprobs"], out["entropy"]) if with_entropy else out["logprobs"]
 
     def values(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *,

@@ -108,6 +108,9 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         max_turns, max_tokens = got.rollout_budget
         metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
         metrics |= observer.end_step(step, metrics | timings)
+        if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
+            waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
+            metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
@@ -141,13 +144,15 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         log.warning("no group passed the filters; no update")
         return {"train/skipped_empty_batch": 1.0}
     rows = got.rows
-    with _timed(timings, "logprobs"):
+    with _timed(timings, "logprobs"), _phase_bar(tc.progress, "log-probs", None, unit="micro-batch") as bar:
+        tick = lambda: bar.update(1)  # noqa: E731
         if tc.ppo.old_logprobs == "learner":
-            old_BT = learner.logprobs(rows.tokens_BT, rows.attention_mask_BT, temperature=temperature, local_rows=True)
+            old_BT = learner.logprobs(rows.tokens_BT, rows.attention_mask_BT, temperature=temperature, local_rows=True,
+                                      tick=tick)
         else:
             old_BT = rows.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rows.tokens_BT, rows.attention_mask_BT,
-                                                                   temperature=temperature, local_rows=True)
+                                                                   temperature=temperature, local_rows=True, tick=tick)
     update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
                           ref_logprobs_BT=ref_BT)
     critic_metrics: dict[str, float] = {}
@@ -228,12 +233,12 @@ class _NoObserver:
         pass
 
 
-def _phase_bar(progress: bool, desc: str, total: int):
-    """A progress bar of optimizer steps on rank 0 when ``progress`` and stderr is a terminal."""
+def _phase_bar(progress: bool, desc: str, total: int | None, *, unit: str = "step"):
+    """A progress bar (optimizer steps, micro-batches) on rank 0 when ``progress`` and stderr is a terminal."""
     from tqdm import tqdm
 
     show = progress and torch.distributed.get_rank() == 0
-    return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None if show else True)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None if show else True)
 
 
 def _progress(steps, *, enabled: bool):

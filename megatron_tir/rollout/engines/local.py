@@ -353,10 +353,10 @@ class LocalEngine:
         self._wake = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._loop_task = loop.create_task(self._schedule(), name="local-engine-scheduler")
+        self._loop_task = loop.create_task(self._serve_requests(), name="local-engine-scheduler")
         self._loop_task.add_done_callback(self._on_scheduler_done)
 
-    async def _schedule(self) -> None:
+    async def _serve_requests(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if self._paused:

@@ -27,6 +27,10 @@ def test_one_step_trains_every_token_exactly_one_version_behind(tmp_path, mode):
         assert r["train/weight_version_min"] == r["train/weight_version_max"] == sampled_by, (step, r)
         assert r["train/weight_version_lag_mean"] == r["train/weight_version_lag_max"] == lag
         assert r[f"train/weight_version_lag_share_{lag}"] == 1.0  # the staleness histogram: one bin
+        waited = r["time/rollout_wait"] + r.get("time/drain", 0.0)
+        assert 0 < r["train/trainer_idle_share"] <= 1
+        assert r["train/trainer_idle_share"] == pytest.approx(min(1.0, waited / r["time/step"]))
+        assert ("time/drain" in r) == (mode == "one_step" and step < 3)  # the last step runs nothing ahead
         if mode == "one_step":  # the decoupled objective's metrics (the weight is the engine's vs the learner's)
             assert math.isfinite(r["offpolicy/kl"]) and r["offpolicy/weight_max"] > 0
         else:
