@@ -41,7 +41,7 @@ log = logging.getLogger("bench_learner")
 
 
 def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
-    from megatron_tir.policy.learner_config import TrainBatch
+    from megatron_tir.policy.learner_contract import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, tokens), generator=g)

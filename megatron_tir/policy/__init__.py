@@ -5,7 +5,7 @@ Modules: ``spec`` (``ModelSpec`` from an HF config), ``build`` (this rank's GPTM
 ``keymap`` (the one HF <-> Megatron key map), ``checkpoint`` (on-disk layout, HF and torch_dist
 I/O, model and learner save/load), ``weights`` (HF weights into and out of a live model),
 ``learner`` (``Learner``: head-agnostic forward passes and train steps, weight export) with
-``learner_config``, ``losses`` (the policy's log-probs, entropy and losses from its logits,
+``learner_config`` (its config) and ``learner_contract`` (what a step takes and returns), ``losses`` (the policy's log-probs, entropy and losses from its logits,
 and SFT's NLL), ``microbatch`` and ``vocab_parallel``.
 
 Importing this package or a light submodule does not import megatron-core; the learner
@@ -19,15 +19,15 @@ from importlib import import_module
 _EXPORTS = {
     "Learner": "megatron_tir.policy.learner",
     "LearnerConfig": "megatron_tir.policy.learner_config",
-    "LossFn": "megatron_tir.policy.learner_config",
-    "LossInputs": "megatron_tir.policy.learner_config",
+    "LossFn": "megatron_tir.policy.learner_contract",
+    "LossInputs": "megatron_tir.policy.learner_contract",
     "NLLLoss": "megatron_tir.policy.losses",
-    "OutputFn": "megatron_tir.policy.learner_config",
+    "OutputFn": "megatron_tir.policy.learner_contract",
     "TokenLoss": "megatron_tir.policy.losses",
-    "TokenLossFn": "megatron_tir.policy.learner_config",
+    "TokenLossFn": "megatron_tir.policy.learner_contract",
     "TokenOutputs": "megatron_tir.policy.losses",
-    "StepResult": "megatron_tir.policy.learner_config",
-    "TrainBatch": "megatron_tir.policy.learner_config",
+    "StepResult": "megatron_tir.policy.learner_contract",
+    "TrainBatch": "megatron_tir.policy.learner_contract",
     "ModelSpec": "megatron_tir.policy.spec",
 }
 

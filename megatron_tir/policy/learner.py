@@ -10,7 +10,7 @@ gradient buffers, no optimizer, parameters without ``requires_grad``.
 
 The learner does not know what its head's output means: ``forward`` and ``train_step`` hand
 the model's output for each micro-batch to the caller's function (``OutputFn`` /
-``LossFn``, see ``learner_config``), which computes what it needs (the policy's log-probs
+``LossFn``, see ``learner_contract``), which computes what it needs (the policy's log-probs
 and entropy: ``megatron_tir.policy.losses``).
 
 * ``forward``: per-token outputs of an ``OutputFn`` through ``get_forward_backward_func()``
@@ -46,8 +46,8 @@ import torch
 
 from megatron_tir.policy.build import build_gpt_model, te_available
 from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, read_meta, resolve_checkpoint
-from megatron_tir.policy.learner_config import (AGGREGATIONS, KEEP_METRIC, LearnerConfig, LossFn, LossInputs,
-                                                OutputFn, StepResult, TrainBatch)
+from megatron_tir.policy.learner_config import LearnerConfig
+from megatron_tir.policy.learner_contract import AGGREGATIONS, KEEP_METRIC, LossFn, LossInputs, OutputFn, StepResult, TrainBatch
 from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tir.policy.learner_config import LossInputs, TokenLossFn
+from megatron_tir.policy.learner_contract import LossInputs, TokenLossFn
 from megatron_tir.policy.vocab_parallel import token_entropy, token_logprobs
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rl.offpolicy import correction_BT
 from megatron_tir.rollout.batch import Group, collate

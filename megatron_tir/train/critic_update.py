@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl.critic import explained_variance, gae_BT, token_rewards_BT
 
 

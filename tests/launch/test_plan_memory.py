@@ -45,7 +45,7 @@ def _live_bytes_peak(prof, start_ns: int) -> tuple[float, float]:
 
 
 def _batch(rows: int, length: int, vocab: int, seed: int):
-    from megatron_tir.policy.learner_config import TrainBatch
+    from megatron_tir.policy.learner_contract import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, length), generator=g)

@@ -44,7 +44,7 @@ def test_per_turn_entropy_and_ratio_of_a_learner_step_equal_transformers(learner
     from transformers import AutoModelForCausalLM
 
     from megatron_tir.model_sources import resolve_model
-    from megatron_tir.policy.learner_config import TrainBatch
+    from megatron_tir.policy.learner_contract import TrainBatch
     from megatron_tir.policy.losses import TokenLoss
 
     g = torch.Generator().manual_seed(0)

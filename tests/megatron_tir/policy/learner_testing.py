@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.policy.losses import TokenLoss
 
 

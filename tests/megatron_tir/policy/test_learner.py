@@ -11,7 +11,8 @@ import torch
 from learner_testing import hf_logprobs, make_batch, ppo_loss, ppo_token_loss
 
 from megatron_tir.policy.checkpoint.learner_io import load_learner, save_learner
-from megatron_tir.policy.learner_config import LearnerConfig, TrainBatch
+from megatron_tir.policy.learner_config import LearnerConfig
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.policy.losses import TokenLoss
 
 

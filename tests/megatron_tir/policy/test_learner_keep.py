@@ -8,7 +8,9 @@ import pytest
 import torch
 from learner_testing import make_batch
 
-from megatron_tir.policy.learner_config import KEEP_METRIC, LearnerConfig, TrainBatch
+from megatron_tir.policy.learner_config import LearnerConfig
+
+from megatron_tir.policy.learner_contract import KEEP_METRIC, TrainBatch
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import run_ranks
 from megatron_tir.rl.loss import LossConfig, PolicyLoss, aggregate

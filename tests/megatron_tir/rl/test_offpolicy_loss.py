@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import LossConfig, PolicyLoss, aggregate
 from megatron_tir.train.batch import with_behaviour_weights
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_tir.policy.learner_config import TrainBatch
+from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.train.config import apply_overrides, load_recipe
 from megatron_tir.train.critic_update import CriticConfig, gae_advantages
 
