@@ -398,17 +398,7 @@ class SGLangEngine:
         async def one(server: ServerState) -> dict[str, Any]:
             timeout = aiohttp.ClientTimeout(total=self.config.control_timeout_s,
                                             sock_connect=self.config.connect_timeout_s)
-            try:
-                async with self._session.get(f"{server.url}/server_info", timeout=timeout) as response:
-                    status, text = response.status, await response.text()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise SGLangError(f"{server.url}/server_info: {exc!r}") from exc
-            try:
-                info = json.loads(text)
-            except ValueError:
-                info = None
-            if status != 200 or not isinstance(info, dict):
-                raise SGLangError(f"{server.url}/server_info answered {status}: {text[:200]}")
+            info = await self._get_json(server, "/server_info", timeout)
             tp, dp = info.get("tp_size"), info.get("dp_size")
             if not isinstance(tp, int) or tp < 1 or not isinstance(dp, int):
                 raise SGLangError(f"{server.url}/server_info has no usable tp_size/dp_size: {tp!r}/{dp!r}")
@@ -422,21 +412,26 @@ class SGLangEngine:
         self._server_info = list(await asyncio.gather(*(one(s) for s in self.pool.servers)))
         return self._server_info
 
-    async def server_weight_version(self, server: ServerState, timeout_s: float) -> int:
-        """One server's live weight version (``GET /model_info``); SGLangError naming it otherwise."""
-        await self.start()
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+    async def _get_json(self, server: ServerState, endpoint: str, timeout) -> dict[str, Any]:
+        """``GET server.url + endpoint`` as a JSON object; SGLangError naming the server otherwise."""
         try:
-            async with self._session.get(f"{server.url}/model_info", timeout=timeout) as response:
+            async with self._session.get(f"{server.url}{endpoint}", timeout=timeout) as response:
                 status, text = response.status, await response.text()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise SGLangError(f"{server.url}/model_info: {exc!r}") from exc
+            raise SGLangError(f"{server.url}{endpoint}: {exc!r}") from exc
         try:
             info = json.loads(text)
         except ValueError:
             info = None
         if status != 200 or not isinstance(info, dict):
-            raise SGLangError(f"{server.url}/model_info answered {status}: {text[:200]}")
+            raise SGLangError(f"{server.url}{endpoint} answered {status}: {text[:200]}")
+        return info
+
+    async def server_weight_version(self, server: ServerState, timeout_s: float) -> int:
+        """One server's live weight version (``GET /model_info``); SGLangError naming it otherwise."""
+        await self.start()
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+        info = await self._get_json(server, "/model_info", timeout)
         return parse_weight_version(info.get("weight_version"), where=f"{server.url}/model_info")
 
     async def wait_servers_back(self, timeout_s: float, *, poll_s: float = 0.2) -> list[ServerState]:
