@@ -40,9 +40,14 @@ def check_versions_against_weights(batch, model_dir, sets) -> None:
     versions = batch.versions_BT
     assert (versions[mask] >= 0).all() and (versions[~mask] == -1).all()
     refs = [logprobs_under(model_dir, w, batch.tokens_BT, batch.attention_mask_BT) for w in sets]
+    # how many syncs land while tokens are still being sampled depends on the machine's speed:
+    # every version that sampled tokens is checked, and at least two must have
+    present = [v for v in range(len(refs)) if (mask & (versions == v)).any()]
+    assert len(present) >= 2, f"trained tokens sampled at versions {present} only"
     for v, ref in enumerate(refs):
         at_v = mask & (versions == v)
-        assert at_v.any(), f"no trained token sampled at version {v}"
+        if not at_v.any():
+            continue
         torch.testing.assert_close(batch.engine_logprobs_BT[at_v], ref[at_v], atol=1e-4, rtol=0)
         for w, other in enumerate(refs):
             if w != v:  # the versions' weights really differ on these tokens
