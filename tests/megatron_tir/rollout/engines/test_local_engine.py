@@ -347,8 +347,8 @@ def test_retract_across_a_weight_update_records_both_versions(make_engine, tiny_
     async def main():
         engine = make_engine(tiny_llama, eos_token_ids=(0,))
         prompt = encode(engine, PROMPTS[0])
-        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=80, seed=1)))
-        await asyncio.sleep(0.1)
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=600, seed=1)))
+        await asyncio.sleep(0.05)
         await engine.pause(mode=PauseMode.RETRACT)
         split = len(engine._queue[0].token_ids)
         await engine.update_weights([("model.norm.weight", torch.full((64,), 2.0))])
@@ -359,7 +359,7 @@ def test_retract_across_a_weight_update_records_both_versions(make_engine, tiny_
 
     split, out = run(main())
     assert out.meta["weight_versions"] == [{"version": "0", "start": 0, "end": split},
-                                           {"version": "1", "start": split, "end": 80}]
+                                           {"version": "1", "start": split, "end": 600}]
 
 
 def test_weight_update_while_paused_is_reported_in_meta(make_engine, tiny_llama):
