@@ -1,5 +1,10 @@
 """SGLang servers behind the GenerationEngine interface (HTTP client; the servers run on GPUs).
 
+One file on purpose (about 640 lines): it is one class, ``SGLangEngine``, whose methods are the
+servers' HTTP surface; the wire format (:mod:`.wire`) and server choice (:mod:`.pool`) are already
+apart. The next cut, when it grows, is the control surface (weight updates, memory, flush) into
+its own module called by the weight sync.
+
 The wire format is in :mod:`.wire`, server choice in :mod:`.pool`. Endpoints, payloads and
 status codes follow sglang 0.5.23 (``srt/entrypoints/http_server.py``,
 ``srt/managers/tokenizer_control_mixin.py``, ``srt/managers/io_struct.py``).

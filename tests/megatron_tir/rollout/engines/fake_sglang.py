@@ -52,6 +52,9 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
 Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
+
+One file on purpose (about 610 lines): it is one fake server, run as a process by the tests, and
+each rule sits beside the endpoint it guards with the sglang file it follows.
 """
 
 from __future__ import annotations
