@@ -116,10 +116,8 @@ class _CopyingStream(io.RawIOBase):
                 super().close()
 
 
-class _CopyingFileSystem(FileSystem):
-    def __init__(self, sources: list[tuple[int, int, int]]) -> None:
-        super().__init__()
-        self.sources = sources
+class _WritingFileSystem(FileSystem):
+    """Streams opened for reading or update are torch's own; write streams come from ``_writer``."""
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
@@ -127,23 +125,31 @@ class _CopyingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        with self._writer(path, mode) as stream:
+            yield stream
+
+    def _writer(self, path, mode: str):
+        raise NotImplementedError
+
+
+class _CopyingFileSystem(_WritingFileSystem):
+    def __init__(self, sources: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self.sources = sources
+
+    @contextlib.contextmanager
+    def _writer(self, path, mode: str):
         with _CopyingStream(path, mode, self.sources) as stream:
             yield stream
         if stream.copied:
             log.info("%s: %d of %d bytes copied file to file", Path(path).name, stream.copied, stream.tell())
 
 
-class _HashingFileSystem(FileSystem):
+class _HashingFileSystem(_WritingFileSystem):
     """Files written through it are hashed on the way (``manifest.recording``: a run checkpoint's manifest)."""
 
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        if "w" not in mode or "+" in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with manifest.hashing_stream(path, mode) as stream:
-            yield stream
+    def _writer(self, path, mode: str):
+        return manifest.hashing_stream(path, mode)
 
 
 class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
