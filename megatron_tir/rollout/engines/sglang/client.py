@@ -601,13 +601,17 @@ class SGLangEngine:
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]], group_name: str,
-                                              weight_version: str | None = None) -> None:
-        """Announce one bucket of tensors; the trainer broadcasts them (rank 0) meanwhile.
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        """Announce one bucket of tensors; the group's rank 0 broadcasts them meanwhile (one
+        tensor each, or with ``load_format="flattened_bucket"`` one uint8 tensor of them all).
 
         ``flush_cache`` is false: the sync flushes once, after ``end_weight_update``.
         """
         payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
                    "group_name": group_name, "flush_cache": False}
+        if load_format is not None:
+            payload["load_format"] = load_format
         version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if weight_version is not None:
             payload["weight_version"] = weight_version
