@@ -243,6 +243,9 @@ class TrainConfig:
         if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
             raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
                              "trainer.loss.kl_coef is the KL loss for the other estimators")
+        if self.trainer.asynchrony.mode == "one_step" and self.engine.colocated:
+            raise ValueError("trainer.async=one_step cannot overlap with engine.colocated=true: generation and "
+                             "training share the GPUs (run the engines on their own GPUs, or trainer.async=off)")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
