@@ -104,3 +104,78 @@ def test_each_data_parallel_rank_receives_only_its_rows_and_the_update_is_the_dp
     assert m1["train/optimizer_steps"] == 2.0 and m1["train/grad_norm"] > 0
     for key in ("train/loss", "train/grad_norm"):
         assert r0["metrics"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """tiny-qwen2's shape and tokenizer with 3 layers (a first, a middle and a last stage at PP=3)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from megatron_tir.model_sources import TINY_QWEN2_CONFIG, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
+    config = Qwen2Config(**(TINY_QWEN2_CONFIG | {"num_hidden_layers": 3}), bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    dest = tmp_path_factory.mktemp("three-layers")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+    return str(dest)
+
+
+def _nbytes(tensors) -> int:
+    return sum(v.numel() * v.element_size() for v in tensors)
+
+
+@pytest.mark.slow  # ~40 s of CPU (4 processes), minutes of wall time on a shared machine
+def test_each_pipeline_stage_receives_only_what_it_reads_and_the_update_is_the_pp1_update(tmp_path, three_layers):
+    (tmp_path / "pp1").mkdir()
+    (tmp_path / "pp3").mkdir()
+    run_ranks(dp_update_rank, 1, str(tmp_path / "pp1"), 1, three_layers)
+    run_ranks(dp_update_rank, 3, str(tmp_path / "pp3"), 3, three_layers)
+    plan, (rows,) = _expected_shares(1)
+    first, middle, last = (torch.load(tmp_path / "pp3" / f"received_rank{r}.pt") for r in (0, 1, 2))
+    # the first stage (rank 0, which sampled) keeps the token ids and spans only; it receives nothing
+    assert first["bytes"] == 0 and first["rows"].keys() == {"tokens_BT", "attention_mask_BT", "mini_batch_B"}
+    # a middle stage receives the rows' lengths and mini-batches: the micro-batch shapes, nothing per token
+    assert middle["rows"].keys() == {"attention_mask_BT", "mini_batch_B"}
+    assert middle["bytes"] == 2 * 8 * rows.batch_size
+    # the last stage receives what its loss reads, and nothing of the rows' weight versions (rank 0 logs them)
+    assert last["rows"].keys() == set(rows.tensors()) and "versions_BT" not in last["rows"]
+    assert last["bytes"] == _nbytes(rows.tensors().values())
+    for got in (first, middle, last):
+        for name, t in got["rows"].items():
+            torch.testing.assert_close(t, rows.tensors()[name], rtol=0, atol=0, msg=name)
+    w1, w3 = torch.load(tmp_path / "pp1" / "weights.pt"), torch.load(tmp_path / "pp3" / "weights.pt")
+    moved = 0
+    for name, before in w1["initial"].items():
+        torch.testing.assert_close(w3["initial"][name], before, rtol=0, atol=0, msg=name)
+        step1, step3 = w1["updated"][name] - before, w3["updated"][name] - before
+        torch.testing.assert_close(step3, step1, rtol=1e-4, atol=1e-6, msg=name)
+        moved += float(step1.abs().max()) > 1e-4
+    assert moved >= len(w1["initial"]) // 2  # the update changed the weights it is compared on
+    m1 = torch.load(tmp_path / "pp1" / "received_rank0.pt")["metrics"]
+    assert m1["train/optimizer_steps"] == 2.0 and m1["train/grad_norm"] > 0
+    for got in (first, middle, last):  # every stage logs the same metrics, whichever rows it holds
+        assert got["metrics"].keys() == m1.keys()
+        for key, want in m1.items():
+            assert got["metrics"][key] == pytest.approx(want, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow  # ~30 s of CPU (3 processes, a policy and a critic each)
+def test_row_metrics_at_dp2_are_those_of_the_whole_batch(tmp_path):
+    """The off-policy correction's and the critic's metrics are of every replica's rows (each rank holds
+    its own), equal to DP=1's: means weighted by their token counts, maxima of the maxima."""
+    (tmp_path / "dp1").mkdir()
+    (tmp_path / "dp2").mkdir()
+    run_ranks(dp_update_rank, 1, str(tmp_path / "dp1"), 1, "tiny-qwen2", True)
+    run_ranks(dp_update_rank, 2, str(tmp_path / "dp2"), 1, "tiny-qwen2", True)
+    m1 = torch.load(tmp_path / "dp1" / "received_rank0.pt")["metrics"]
+    keys = [k for k in m1 if k.startswith(("offpolicy/", "critic/"))]
+    assert {"offpolicy/weight_mean", "offpolicy/weight_max", "offpolicy/kl", "critic/explained_variance",
+            "critic/value_mean_correct"} <= set(keys)
+    assert m1["offpolicy/abs_dlogp_mean"] > 1  # the crafted engine log-probs are far from the learner's
+    for rank in (0, 1):
+        m2 = torch.load(tmp_path / "dp2" / f"received_rank{rank}.pt")["metrics"]
+        for key in keys:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
