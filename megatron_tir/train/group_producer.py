@@ -145,9 +145,9 @@ class GroupProducer:
                 f = self._ready.pop(0)
                 if self.bound.fresh_enough(f.oldest_version, version):
                     taken.append(f.group)
-                else:  # never trained; its slot is free again (else drops could starve admission)
+                else:  # never trained
                     stale.append(f.group)
-                    self.bound.accepted -= 1
+                    self.bound.reclaim()
             if len(taken) >= want or self._finished_since_take >= self.max_groups:
                 break
             self._changed.clear()
