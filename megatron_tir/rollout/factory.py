@@ -117,12 +117,20 @@ def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=N
     return SGLangEngine(settings), AutoTokenizer.from_pretrained(model_dir)
 
 
+def syncs_per_stage(cfg: EngineConfig) -> bool:
+    """Whether the trainer's weights reach ``cfg``'s engine from every pipeline stage's sender
+    (SGLang servers on GPUs of their own: :mod:`megatron_tir.rollout.sync.stages`, built on every
+    trainer rank) rather than through the rank holding the engine (:func:`build_weight_sync`)."""
+    return cfg.kind == "sglang" and not cfg.colocated
+
+
 def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine, *,
                       pause_mode: PauseMode = PauseMode.ABORT) -> WeightSync:
-    """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``); ``await
-    sync.start()`` before the first ``update``, on the engine's event loop. ``pause_mode``: what a
-    sync does with requests in flight (``retract``: they wait and continue under the new weights,
-    ``trainer.async=full``)."""
+    """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``) on the rank holding
+    it; ``await sync.start()`` before the first ``update``, on the engine's event loop. (The
+    trainer uses the per-stage sync where :func:`syncs_per_stage`; this one serves single-process
+    callers there.) ``pause_mode``: what a sync does with requests in flight (``retract``: they
+    wait and continue under the new weights, ``trainer.async=full``)."""
     if cfg.kind == "local":
         from megatron_tir.rollout.sync.local import LocalWeightSync
 

@@ -251,6 +251,9 @@ class TrainConfig:
         if self.trainer.asynchrony.mode == "full" and self.engine.colocated:
             raise ValueError("trainer.async=full keeps the engines generating while the trainer trains; colocated "
                              "engines (engine.colocated) free their memory for training: use one_step or off")
+        if self.trainer.asynchrony.mode == "one_step" and self.engine.colocated:
+            raise ValueError("trainer.async=one_step cannot overlap with engine.colocated=true: generation and "
+                             "training share the GPUs (run the engines on their own GPUs, or trainer.async=off)")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tir.rollout.factory import InfrastructureError
+from megatron_tir.rollout.factory import InfrastructureError, syncs_per_stage
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
@@ -233,6 +233,29 @@ class RolloutSource:
             if header["error"] is not None:
                 self._handoff.close()
                 raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
+        self.stage_sync = None  # SGLang servers of their own: every stage's sender sends its weights
+        if syncs_per_stage(cfg.engine):
+            try:
+                self.stage_sync = self._start_stage_sync()
+            except BaseException:
+                self.close()
+                raise
+
+    def _start_stage_sync(self):
+        import socket
+
+        from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
+
+        from megatron_tir.rollout.engines.base import PauseMode
+
+        config = StageWeightSyncConfig(backend="nccl" if torch.cuda.is_available() else "gloo",
+                                       address=socket.getfqdn(),  # full: requests in flight wait and continue
+                                       pause_mode=PauseMode.RETRACT if self.full else PauseMode.ABORT)
+        service = self.service
+        sync = StageWeightSync(config, engine=None if service is None else service.engine,
+                               submit=None if service is None else service.submit)
+        sync.start()
+        return sync
 
     @property
     def rollout_cfg(self):
@@ -388,13 +411,16 @@ class RolloutSource:
             self.service.offload()
 
     def sync_weights(self, learner) -> None:
-        """The learner's weights into rank 0's engine (collective: every rank calls it)."""
-        if self.rank == 0:
+        """The learner's weights into rank 0's engine (collective: every rank calls it); per stage
+        where the servers have GPUs of their own (``megatron_tir.rollout.sync.stages``)."""
+        if self.stage_sync is not None:
+            self.stage_sync.update(learner)
+        elif self.rank == 0:
             self.service.sync_from(learner)
-            if self._producer is not None:  # full: the new version may admit more groups
-                self.service.runner.run(self._producer.poke())
         else:
             drain(learner.named_hf_buckets())
+        if self._producer is not None:  # full: the new version may admit more groups
+            self.service.runner.run(self._producer.poke())
 
     def engine_busy_s(self) -> float:
         """Rank 0: seconds so far with a generation request in flight (0 elsewhere)."""
@@ -407,6 +433,9 @@ class RolloutSource:
                 self.service.runner.run(self._producer.stop())
             except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
                 log.exception("stopping the group producer")
+        if getattr(self, "stage_sync", None) is not None:
+            self.stage_sync.close()
+            self.stage_sync = None
         if self.service is not None:
             self.service.close()
 

@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
 from megatron_tir.rollout.engines.base import PauseMode
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_weight_sync, open_rollout_parts
+from megatron_tir.rollout.factory import (
+    EngineConfig,
+    SandboxConfig,
+    build_weight_sync,
+    open_rollout_parts,
+    syncs_per_stage,
+)
 from megatron_tir.rollout.event_loop import EventLoopThread
 from megatron_tir.rollout.instrument import EngineActivity
 
@@ -49,9 +55,11 @@ class RolloutService:
         self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
                                                                     parts.tokenizer)
         self.activity = EngineActivity(self.engine)
-        self.weight_sync = build_weight_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
-        self.runner.run(self.weight_sync.start())
-        self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
+        self.weight_sync = None  # per-stage: every trainer rank's StageWeightSync (the rollout source's)
+        if not syncs_per_stage(engine_cfg):
+            self.weight_sync = build_weight_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
+            self.runner.run(self.weight_sync.start())
+            self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
     def submit(self, coro):
         """Schedule ``coro`` on the service's event loop; a ``concurrent.futures.Future`` of its result."""
@@ -82,7 +90,8 @@ class RolloutService:
     def offload(self) -> None:
         """Before a training phase: the engine pauses and frees its memory where it shares the
         trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
-        self.runner.run(self.weight_sync.offload())
+        if self.weight_sync is not None:
+            self.runner.run(self.weight_sync.offload())
 
     def engine_busy_s(self) -> float:
         """Seconds so far with at least one generation request in flight (cumulative)."""
@@ -96,6 +105,8 @@ class RolloutService:
     def sync_from(self, learner) -> int:
         """The learner's current weights into the engine; returns its new weight version
         (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
+        if self.weight_sync is None:
+            raise RuntimeError("this engine is synced per stage (RolloutSource.sync_weights on every rank)")
         return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
 
     def close(self) -> None:

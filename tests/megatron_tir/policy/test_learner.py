@@ -238,3 +238,22 @@ def test_checkpoint_is_tir_ckpt_layout_and_bad_dirs_are_refused(parallel_1x1, tm
     converted = hf_to_megatron(resolve_model("tiny-qwen2"), tmp_path / "converted")
     with pytest.raises(ValueError, match="no optimizer/scheduler state"):
         load_learner(learner, converted)
+
+
+def test_grad_clip_0_steps_unclipped_and_reports_the_grad_norm(parallel_1x1):
+    """learner.grad_clip=0 (no clipping) trains: megatron-core's optimizer still returns the norm, and
+    the step equals one under a clip far above it; a clip below it changes the step (adam_eps=1 makes
+    Adam's first step ~ lr * grad, so the clip shows in the update)."""
+    batch = make_batch(9)
+    steps, norms = {}, {}
+    for clip in (0.0, 1e9, 1e-3):
+        learner = _learner(parallel_1x1, lr=1.0, adam_eps=1.0, grad_clip=clip)
+        before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
+        result = learner.train_step(batch, ppo_loss)
+        assert not result.skipped and learner.step == 1
+        norms[clip] = result.grad_norm
+        steps[clip] = {n: p.detach() - before[n] for n, p in learner.module.named_parameters()}
+    assert norms[0.0] > 1e-3 and norms[0.0] == pytest.approx(norms[1e9], rel=1e-6) == norms[1e-3]
+    biggest = max(s.abs().max().item() for s in steps[0.0].values())
+    assert max((steps[0.0][n] - steps[1e9][n]).abs().max().item() for n in steps[0.0]) <= 1e-6 * biggest
+    assert max((steps[0.0][n] - steps[1e-3][n]).abs().max().item() for n in steps[0.0]) > 0.1 * biggest

@@ -107,3 +107,15 @@ def test_trainer_async_is_the_command_line_spelling_of_trainer_asynchrony():
                           ("trainer.async.cap=0.5", "cap must be >= 1")]:
         with pytest.raises(ValueError, match=message):
             apply_overrides(load_recipe("tiny-cpu"), [item])
+
+
+def test_one_step_asynchrony_with_colocated_engines_is_refused_naming_both_keys():
+    sglang = ["engine.kind=sglang", "engine.urls=http://h1:30000"]
+    for order in (["trainer.async=one_step", "engine.colocated=true"], ["engine.colocated=true", "trainer.async=one_step"]):
+        with pytest.raises(ValueError) as info:
+            apply_overrides(load_recipe("tiny-cpu"), sglang + order)
+        text = str(info.value)
+        assert "trainer.async=one_step" in text and "engine.colocated=true" in text and "\n" not in text
+    # either alone is a valid run
+    assert apply_overrides(load_recipe("tiny-cpu"), sglang + ["engine.colocated=true"]).engine.colocated
+    assert apply_overrides(load_recipe("tiny-cpu"), sglang + ["trainer.async=one_step"]).trainer.asynchrony.mode == "one_step"
