@@ -329,9 +329,10 @@ class RolloutSource:
     def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
         t0, future = self._pending.pop(step)
         tc = self.cfg.trainer
-        position, ahead, metrics = self.stream.position, [], {}
+        ahead, metrics = [], {}
         if future is not None:
             got = future.result()
+            position = self.stream.position  # after the rounds: they draw prompts as they go
         else:  # full: the step's groups from the producer
             taken = self.service.runner.run(self._producer.take(tc.sampling.prompts_per_step))
             got, position, ahead = taken.collected, taken.data_position, taken.consumed_ahead
