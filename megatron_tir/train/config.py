@@ -283,8 +283,9 @@ def tiny_cpu() -> TrainConfig:
 
 def smollm2_cpu() -> TrainConfig:
     """The embedded default: SmolLM2-135M-Instruct learns to solve the generated task family with code
-    (``tir_mix``: six training families at graded difficulty; held out: other seeds and a seventh
-    family; chat template; the answer is what final_answer() prints or a boxed number)."""
+    (``tir_mix``: six training families at graded difficulty, level 1 naming the code; held out:
+    other seeds and a seventh family, evaluated every 2 steps; chat template; the answer is what
+    final_answer() prints or a boxed number)."""
     return TrainConfig(
         model="smollm2",
         learner=LearnerConfig(lr=2e-5, max_tokens_per_microbatch=1024),
@@ -295,7 +296,7 @@ def smollm2_cpu() -> TrainConfig:
         data=DataConfig(train="tir_mix", eval="tir_mix", eval_size=28, eval_samples=1),
         trainer=TrainerConfig(steps=10, sampling=SamplingConfig(prompts_per_step=8), ppo=PPOConfig(epochs=2),
                               filters=FilterConfig(overlong="keep"), checkpoint=CheckpointConfig(every=5),
-                              eval_every=5),
+                              eval_every=2),
     )
 
 

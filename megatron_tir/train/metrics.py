@@ -9,7 +9,8 @@ of the model tokens of each turn index (``logprob_turn_K``, SimpleTIR's Figure 3
 it falls in later turns when feedback drifts the model off its distribution), and the
 diagnostics of :func:`megatron_tir.observe.diagnostics.rollout_diagnostics` (per-turn minimum
 log-prob and low-probability share, response-length percentiles, budget hits, void reasons,
-NeMo-RL's termination rates, ZeroTIR's code-use curves, reasoning patterns).
+NeMo-RL's termination rates, ZeroTIR's code-use curves, reasoning patterns); over a mix of
+sources (``data_source``), the reward of each (``reward_by_source/<source>``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
     for k, lps in sorted(by_turn.items()):
         out[f"logprob_turn_{k}"] = sum(lps) / len(lps)
     out |= rollout_diagnostics(trajs)
+    sources = sorted({t.data_source for t in trajs})
+    if len(sources) > 1:  # a mix (tir_mix: one per family, the held-out family's own curve among them)
+        for source in sources:
+            mine = [t.reward or 0.0 for t in trajs if t.data_source == source]
+            out[f"reward_by_source/{source or 'none'}"] = sum(mine) / len(mine)
     return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
