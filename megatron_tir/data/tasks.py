@@ -13,9 +13,16 @@ string) computed by the generator:
 ``base_conversion``       a decimal integer written in base 2-9 (the held-out family)
 ========================  ===============================================================
 
+Level 1 of every family but ``arithmetic`` also names the code: the question ends "In
+Python, `<one line>` computes it." (:func:`hint_code`; e.g. ``import math; math.gcd(295, 118)``);
+levels 2 and 3 state the problem only, with larger numbers. The hint is the rung a small model
+climbs first; the unhinted levels are where it has to carry a family's code over itself.
+
 Problem ``i`` of a split is a pure function of ``(seed, split, i)``. The training split
-cycles through the first six families (level ``1 + (i // 6) % 3``); the held-out split
-cycles through all seven, so ``base_conversion`` is a family the policy never trains on.
+cycles through the first six families, levels in the order ``TRAIN_LEVEL_CYCLE`` (1, 2, 1, 3:
+half the prompts hinted); the held-out split cycles through all seven at levels 1, 2, 3, so
+``base_conversion`` is a family the policy never trains on (its level-1 problems carry a hint
+too: whether reading and running a named one-liner carries over to an unseen family).
 The two splits are disjoint by construction, not by chance: a problem belongs to the
 held-out split exactly when a hash of its question falls in one bucket of ten, and each
 split redraws until its problems land on its side. ``data_source`` is the family's name,
@@ -38,6 +45,7 @@ TRAIN_FAMILIES = ("arithmetic", "digit_sum", "count_primes", "count_divisors", "
 HELD_OUT_FAMILY = "base_conversion"
 FAMILIES = (*TRAIN_FAMILIES, HELD_OUT_FAMILY)
 LEVELS = (1, 2, 3)
+TRAIN_LEVEL_CYCLE = (1, 2, 1, 3)  # training: half the prompts at level 1 (the hinted rung); held out: 1, 2, 3
 INSTRUCTION = " Write Python code that calculates it and pass the result to final_answer()."
 _SPLIT_SALT = {TRAIN: 0, HELD_OUT: 7_000_003}
 
@@ -138,6 +146,30 @@ def _base_conversion(rng: random.Random, level: int) -> tuple[dict, str, str]:
     return {"n": n, "base": base}, question, "".join(reversed(digits))
 
 
+# Level 1 names the code in the question (one line: builtins, the standard library, numpy).
+# Measured (docs/training.md): SmolLM2-135M trained to call final_answer() on arithmetic solved
+# 0 of 16 samples of every other family at levels 1 and 2 without it.
+def hint_code(family: str, params: dict) -> str | None:
+    """The level-1 hint: Python whose last statement is an expression worth the answer (None: no hint)."""
+    if family == "digit_sum":
+        return f"sum(int(d) for d in str({params['a']}**{params['b']}))"
+    if family == "count_primes":
+        lo, hi = params["lo"], params["hi"]
+        return f"sum(1 for p in range({lo}, {hi + 1}) if all(p % d for d in range(2, int(p**0.5) + 1)))"
+    if family == "count_divisors":
+        n = params["n"]
+        return f"sum(1 for d in range(1, {n + 1}) if {n} % d == 0)"
+    if family == "gcd_lcm":
+        return f"import math; math.{params['kind']}({', '.join(map(str, params['nums']))})"
+    if family == "base_conversion":
+        return f"import numpy; numpy.base_repr({params['n']}, {params['base']})"
+    if family == "recurrence":
+        p, q = params["p"], params["q"]
+        return (f"from functools import reduce; reduce(lambda s, _: (s[1], {p}*s[1] + {q}*s[0]), "
+                f"range({params['n'] - 1}), ({params['a0']}, {params['a1']}))[1] % {params['m']}")
+    return None  # arithmetic states its expression already
+
+
 GENERATORS: dict[str, Callable[[random.Random, int], tuple[dict, str, str]]] = {
     "arithmetic": _arithmetic, "digit_sum": _digit_sum, "count_primes": _count_primes,
     "count_divisors": _count_divisors, "recurrence": _recurrence, "gcd_lcm": _gcd_lcm,
@@ -163,6 +195,9 @@ def task_spec(family: str, index: int, *, level: int, seed: int = 0, split: str 
     rng = random.Random(f"{seed * 10_000_019 + _SPLIT_SALT[split]}/{family}/{level}/{index}")
     while True:  # each split keeps only the problems on its side of the hash
         params, question, answer = GENERATORS[family](rng, level)
+        hint = hint_code(family, params) if level == 1 else None
+        if hint is not None:
+            question += f" In Python, `{hint}` computes it."
         if _held_out_bucket(question) == (split == HELD_OUT):
             return TaskSpec(family=family, level=level, params=params, question=question, answer=answer)
 
@@ -171,7 +206,8 @@ def mix_problem(index: int, *, seed: int = 0, split: str = TRAIN) -> Problem:
     """Problem ``index`` of the ``tir_mix`` split (families in turn, levels graded; module docstring)."""
     families = TRAIN_FAMILIES if split == TRAIN else FAMILIES
     family = families[index % len(families)]
-    level = LEVELS[(index // len(families)) % len(LEVELS)]
+    levels = TRAIN_LEVEL_CYCLE if split == TRAIN else LEVELS
+    level = levels[(index // len(families)) % len(levels)]
     spec = task_spec(family, index // len(families), level=level, seed=seed, split=split)
     return Problem(index=index, messages=({"role": "user", "content": spec.question + INSTRUCTION},),
                    ground_truth=spec.answer, data_source=family)

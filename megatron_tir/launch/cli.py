@@ -100,12 +100,13 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
 
 
 def _check_overlap(args, cluster: Cluster, where: str) -> None:
-    """The trainer's refusal of ``trainer.async=one_step`` with colocated engines, before the job is queued."""
+    """The trainer's refusal of asynchronous training with colocated engines, before the job is queued."""
     from megatron_tir.launch.layout import train_config
 
     cfg = train_config(recipe=None if args.resume else args.recipe, run_dir=args.resume, overrides=args.overrides)
-    if cluster.sglang.colocated and cfg.trainer.asynchrony.mode == "one_step":
-        raise ValueError(f"trainer.async=one_step cannot overlap with colocated SGLang servers ({where}: sglang.nodes "
+    mode = cfg.trainer.asynchrony.mode
+    if cluster.sglang.colocated and mode != "off":
+        raise ValueError(f"trainer.async={mode} cannot overlap with colocated SGLang servers ({where}: sglang.nodes "
                          f"0 sets engine.colocated=true): generation and training share the GPUs (give SGLang its own "
                          f"nodes, or trainer.async=off)")
 

@@ -32,6 +32,10 @@ class Assumptions:
     sandbox_call_s: float = 0.0115  # sandbox cost per call: `sandbox-cluster bench`, sympy+numpy, c=1 p50
     startup_s: float = 900.0  # job start to the first step: containers, weights, servers, warm-up
     checkpoint_s: float = 120.0  # writing a run checkpoint
+    sync_link_bytes_s: float = 25e9  # one trainer GPU's NCCL broadcast to the servers (a 400 Gb/s NIC, about half)
+    sync_call_s: float = 0.005  # one /update_weights_from_distributed round trip (HTTP + scheduler), per bucket
+    sync_tensor_s: float = 5e-5  # one more NCCL broadcast call (the per-tensor format)
+    sync_bucket_bytes: int = 256 << 20  # Learner.stage_buckets' default
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -157,6 +161,40 @@ def learner_stages(m: ModelShape, *, tp: int, pp: int, dp: int, tokens: int, dty
     return out
 
 
+# ----------------------------------------------------------------------------- the weight sync
+
+
+def sync_time(model, *, pp: int, assume: Assumptions = Assumptions()) -> dict[str, float]:
+    """Seconds of one bf16 weight sync of ``model`` (a name ``model_facts`` knows, or a ModelSpec)
+    from a PP-``pp`` learner: ``per_stage_s`` with the trainer's scheme
+    (``megatron_tir.rollout.sync.stages``: each stage's sender broadcasts its own flattened
+    buckets; the servers take one bucket at a time, so the wire time is the model's bytes at one
+    link's speed, plus a round trip per bucket; the TP gathers and the next bucket's
+    flattening overlap the wire), and ``through_rank0_s`` with the previous one (the other
+    stages' bytes first hop to rank 0 over the same kind of link, then one broadcast per tensor).
+    The buckets are the learner's own (``policy.weights.bucket_layout``)."""
+    from megatron_tir.policy.weights import bucket_layout
+
+    spec = model
+    if isinstance(model, str):
+        from megatron_tir.launch.model_facts import model_spec
+
+        spec = model_spec(model)
+    if pp < 1 or spec.num_layers % pp:
+        raise ValueError(f"pp={pp} does not divide the model's {spec.num_layers} layers")
+    layout = bucket_layout(spec, pp, assume.sync_bucket_bytes, 2)
+    stage_bytes = [2.0 * sum(math.prod(shape) for bucket in stage for _, shape in bucket) for stage in layout]
+    nbytes = sum(stage_bytes)
+    buckets = sum(len(stage) for stage in layout)
+    tensors = sum(len(bucket) for stage in layout for bucket in stage)
+    wire = nbytes / assume.sync_link_bytes_s
+    per_stage = wire + buckets * assume.sync_call_s
+    hop = sum(stage_bytes[1:]) / assume.sync_link_bytes_s
+    through_rank0 = hop + wire + buckets * assume.sync_call_s + tensors * assume.sync_tensor_s
+    return {"bytes": nbytes, "buckets": buckets, "tensors": tensors, "per_stage_s": round(per_stage, 2),
+            "through_rank0_s": round(through_rank0, 2)}
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -186,6 +224,7 @@ class Plan:
     stages: list[StagePlan]
     server: ServerPlan | None
     sync_bytes: float  # bf16 weights sent to each server per step
+    sync_s: float | None  # one weight sync, per-stage senders (sync_time)
     sandbox_calls: int  # per sampling round, upper bound
     sandbox_slots_needed: int
     sandbox_slots: int
@@ -213,6 +252,8 @@ class Plan:
                       f"weights {g(sv.weight_bytes).strip()} GiB, KV room {g(sv.kv_room_bytes).strip()} GiB = "
                       f"{sv.kv_tokens:,} tokens per server"]
         lines.append(f"weight sync: {self.sync_bytes / 1e9:.1f} GB (bf16) to each server per step")
+        if self.sync_s is not None:
+            lines.append(f"weight sync time: ~{self.sync_s:.1f} s per step (every pipeline stage sends its own)")
         lines.append(f"sandbox: <= {self.sandbox_calls:,} calls per sampling round; {self.sandbox_slots_needed} "
                      f"slots keep tool latency hidden, {self.sandbox_slots} available")
         if self.step_s is not None:
@@ -312,13 +353,14 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
         by_time = math.ceil(minutes * 60 / step_s) * step_s if minutes else math.inf
         first_s = assume.startup_s + min(by_steps, by_time) + assume.checkpoint_s
     wall_s = _seconds(cluster.time)
+    sync_s = None if colocated or m.layers % lc.pp else sync_time(spec, pp=lc.pp, assume=assume)["per_stage_s"]
     if first_s is not None and first_s > wall_s:
         problems.append(f"the first checkpoint comes after ~{first_s / 3600:.1f} h (a step is ~{step_s / 3600:.2f} h), "
                         f"later than the wall time {cluster.time}: set trainer.checkpoint.minutes or "
                         f"trainer.checkpoint.every, or a longer time")
     return Plan(model=cfg.model, tp=lc.tp, pp=lc.pp, dp=dp, tokens=lc.max_tokens_per_microbatch,
                 gpu_memory_gib=mem_gib, usable_bytes=usable, stages=stages, server=server,
-                sync_bytes=m.total_params * 2, sandbox_calls=calls, sandbox_slots_needed=slots_needed,
+                sync_bytes=m.total_params * 2, sync_s=sync_s, sandbox_calls=calls, sandbox_slots_needed=slots_needed,
                 sandbox_slots=slots, step_s=step_s, generation_s=gen_s, train_s=train_s, first_checkpoint_s=first_s,
                 wall_s=wall_s, problems=problems)
 

@@ -52,7 +52,7 @@ from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
 from megatron_tir.policy.value_head import VALUE_HEAD_KEY
-from megatron_tir.policy.weights import hf_buckets, load_hf_weights
+from megatron_tir.policy.weights import bucket_layout, hf_buckets, load_hf_weights, stage_buckets
 
 log = logging.getLogger(__name__)
 
@@ -500,6 +500,22 @@ class Learner:
         if self.value_head:
             raise ValueError("a critic's weights do not go to the generation engines")
         return hf_buckets(self.module, self.spec, bucket_bytes)
+
+    def stage_buckets(self, bucket_bytes: int = 256 << 20) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """This rank's stage's buckets, on the stage's sender only (nothing passes through rank 0);
+        collective over the stage's TP group. See ``megatron_tir.policy.weights``."""
+        if self.value_head:
+            raise ValueError("a critic's weights do not go to the generation engines")
+        return stage_buckets(self.module, self.spec, bucket_bytes)
+
+    def bucket_layout(self, bucket_bytes: int = 256 << 20) -> list[list[list[tuple[str, tuple[int, ...]]]]]:
+        """Per stage, the ``[(HF name, shape), ...]`` of each bucket ``stage_buckets`` yields there; and
+        the dtype is ``weight_dtype``."""
+        return bucket_layout(self.spec, self.config.pp, bucket_bytes, self.weight_dtype.itemsize)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
 
     def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``named_hf_buckets`` without the stages."""

@@ -13,6 +13,11 @@ TP group), splits it into HF tensors (``keymap.to_hf``) and sends them to global
 buckets of about ``bucket_bytes`` (a bucket holds one stage's tensors). A collective: every rank must exhaust the iterator; only rank 0 gets
 tensors. Tensors of rank 0's own stage at TP=1 are views of the live parameters (no copy):
 use them before the next optimizer step.
+
+``stage_buckets`` is the per-stage export (nothing goes to rank 0): the same gathers, but each
+stage's sender (its first TP rank of replica 0) yields its own stage's buckets, cut as
+``bucket_layout`` says -- a pure function of the model spec that the rank announcing the
+buckets to the servers computes without the tensors.
 """
 
 from __future__ import annotations
@@ -171,3 +176,74 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
         if bucket:
             yield stage, bucket
             bucket, size = [], 0
+
+
+def _cut(sizes: list[int], bucket_bytes: int) -> list[int]:
+    """Bucket ends (exclusive indices) for items of ``sizes`` bytes: a bucket closes once it
+    holds ``bucket_bytes`` (``hf_buckets``' rule)."""
+    ends, size = [], 0
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= bucket_bytes:
+            ends.append(i + 1)
+            size = 0
+    if not ends or ends[-1] != len(sizes):
+        ends.append(len(sizes))
+    return ends
+
+
+def bucket_layout(spec: ModelSpec, pp: int, bucket_bytes: int,
+                  element_size: int) -> list[list[list[tuple[str, tuple[int, ...]]]]]:
+    """Per pipeline stage, its buckets as ``[(HF name, shape), ...]`` in send order: what
+    ``stage_buckets`` yields on each stage's sender, without the tensors."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    layout = []
+    for stage in range(pp):
+        items = [(name, tuple(shape)) for p in stage_plans(spec, stage, pp) for name, shape in zip(p.hf, p.hf_shapes)]
+        sizes = [element_size * int(torch.Size(shape).numel()) for _, shape in items]
+        ends = _cut(sizes, bucket_bytes)
+        layout.append([items[a:b] for a, b in zip([0, *ends[:-1]], ends)])
+    return layout
+
+
+def is_stage_sender() -> bool:
+    """This rank sends its pipeline stage's weights: the stage's first TP rank of replica 0."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def stage_buckets(model, spec: ModelSpec,
+                  bucket_bytes: int) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    """This rank's stage's ``(stage, [(HF name, full tensor), ...])`` buckets on the stage's sender
+    (cut as ``bucket_layout``); its TP peers in replica 0 take part in the gathers and get nothing;
+    other replicas do nothing. Collective over the stage's TP group: those ranks exhaust it together."""
+    from megatron.core import parallel_state
+
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    sender = parallel_state.get_tensor_model_parallel_rank() == 0
+    params = dict(model.named_parameters())
+    layer_offset = _layer_offset(model)
+    local_names = {_global_name(n, layer_offset, spec): n for n in params if n != "output_layer.weight"
+                   or not spec.tie_word_embeddings}
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for p in stage_plans(spec, stage, pp):
+        full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
+        if not sender:
+            continue
+        for name, t in zip(p.hf, keymap.to_hf(p, full, spec)):
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield stage, bucket
+                bucket, size = [], 0
+    if bucket:
+        yield stage, bucket

@@ -93,7 +93,8 @@ def value_loss_BT(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_
 
 
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """``1 - Var[R - V] / Var[R]`` over the mask (1: perfect, 0: no better than the mean, < 0: worse)."""
+    """``1 - Var[R - V] / Var[R]`` over the mask (1: perfect, 0: no better than the mean, < 0: worse);
+    NaN where the returns do not vary (``Var[R] = 0``: nothing to explain, e.g. one row left)."""
     m = mask_BT.float()
     n = m.sum().clamp(min=1)
 
@@ -102,4 +103,6 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
         return (((x - mean) * m) ** 2).sum() / n
 
     var_r = var(returns_BT.float())
-    return 1 - var(returns_BT.float() - values_BT.float()) / var_r.clamp(min=1e-12)
+    if not var_r > 0:
+        return torch.tensor(float("nan"))
+    return 1 - var(returns_BT.float() - values_BT.float()) / var_r

@@ -11,7 +11,11 @@ policy's weights or ``critic.model``) with its own optimizer and lr. Per step:
    OpenRLHF / ZeroTIR; the KL *loss* is ``trainer.loss.kl_coef``, a separate switch);
 3. GAE over **model tokens only** (``megatron_tir.rl.critic.gae_BT``: feedback tokens are not
    steps and get neither advantage nor value loss -- value masking), then the advantages are
-   whitened over the batch's model tokens (verl's ``masked_whiten``);
+   normalised over the batch's model tokens (``critic.whiten``: ``batch`` centres and scales, as
+   verl's ``masked_whiten`` and OpenRLHF do; ``rms`` only divides by their root mean square,
+   keeping each token's sign -- the critic is the baseline --, which is what a mode that drops
+   void rows needs: their rewards are not in the update's rows, so centring on the rows left
+   (one correct row, say) erases the signal the void filter kept; ``off``);
 4. per mini-batch: one critic step on the clipped value loss, with the same row roles as the
    policy loss (``megatron_tir.rl.rows``: the update batch already holds only the rows and
    tokens the mode trains), then the policy step -- except in the first ``warmup_steps`` steps
@@ -39,7 +43,7 @@ class CriticConfig:
     gamma: float = 1.0
     lam: float = 1.0
     kl_reward_coef: float = 0.0  # KL in the reward (k1 against the frozen reference); 0: off
-    whiten: bool = True  # whiten the GAE advantages over the batch's model tokens
+    whiten: str = "batch"  # batch | rms | off: how the GAE advantages are normalised over the batch's model tokens
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -52,10 +56,18 @@ class CriticConfig:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.kl_reward_coef < 0:
             raise ValueError(f"kl_reward_coef must be >= 0, got {self.kl_reward_coef}")
+        if self.whiten not in WHITEN:
+            raise ValueError(f"whiten must be one of {', '.join(WHITEN)}, got {self.whiten!r}")
 
 
-def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, local_rows: bool = False) -> torch.Tensor:
-    """Whitened over the masked entries of the batch (``local_rows``: of every data-parallel replica's rows)."""
+WHITEN = ("batch", "rms", "off")
+
+
+def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, local_rows: bool = False,
+            centre: bool = True) -> torch.Tensor:
+    """Whitened over the masked entries of the batch (``local_rows``: of every data-parallel
+    replica's rows); ``centre=False``: divided by their root mean square only (signs kept; a
+    constant row stays a constant of magnitude 1, where centring would make it 0)."""
     m = mask_BT.float()
     sums = torch.stack([m.sum(), (x_BT * m).sum(), (x_BT * x_BT * m).sum()]).double()
     if local_rows and torch.distributed.is_initialized():
@@ -68,6 +80,8 @@ def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, loc
             torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
             sums = sums.cpu()
     n = sums[0].clamp(min=1)
+    if not centre:
+        return (x_BT * torch.rsqrt(sums[2] / n + eps) * m).float()
     mean = sums[1] / n
     var = (sums[2] / n - mean * mean).clamp(min=0)
     return ((x_BT - mean) * torch.rsqrt(var + eps) * m).float()
@@ -87,8 +101,8 @@ def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, values_BT: torch.
     rewards_BT = token_rewards_BT(rewards_B, model_mask_BT, logprobs_BT=behaviour_BT, ref_logprobs_BT=ref_BT,
                                   kl_coef=cfg.kl_reward_coef)
     adv_BT, returns_BT = gae_BT(rewards_BT, values_BT, model_mask_BT, gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.whiten:
-        adv_BT = _whiten(adv_BT, batch.loss_mask_BT, local_rows=local_rows)
+    if cfg.whiten != "off":
+        adv_BT = _whiten(adv_BT, batch.loss_mask_BT, local_rows=local_rows, centre=cfg.whiten == "batch")
     extras = dict(batch.extras, advantages_BT=adv_BT * batch.loss_mask_BT, returns_BT=returns_BT,
                   old_values_BT=values_BT)
     on = model_mask_BT > 0

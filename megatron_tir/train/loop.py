@@ -68,10 +68,11 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     if state.step == 0 and held_out:
         sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
                  | {"time/unix": time.time()})
-    one_step = tc.asynchrony.mode == "one_step"
+    one_step = tc.asynchrony.mode == "one_step"  # full: the source's producer never stops (group_producer.py)
     steps_without_update = 0
     nonfinite = 0  # consecutive steps with non-finite gradients or weights
     pending_ckpt_s, last_save = None, time.monotonic()
+    engine_mark = (time.perf_counter(), source.engine_busy_s())  # the engine idle share's window: since the last step
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
@@ -102,6 +103,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
             metrics.get("critic/warmup") == 1.0 and metrics.get("critic/skipped", 1.0) < 1.0)  # the critic learned
         steps_without_update = 0 if updated else steps_without_update + 1
         state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
+        state.data_consumed_ahead = list(got.data_consumed_ahead)
         # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
         if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
             with _timed(timings, "eval"):
@@ -112,6 +114,12 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
             waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
             metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
+        if source.rank == 0:  # the share of the step no generation request was in flight (eval included)
+            now, busy = time.perf_counter(), source.engine_busy_s()
+            if now > engine_mark[0]:
+                share = 1 - (busy - engine_mark[1]) / (now - engine_mark[0])
+                metrics["rollout/engine_idle_share"] = min(1.0, max(0.0, share))
+            engine_mark = (now, busy)
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "

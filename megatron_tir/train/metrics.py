@@ -9,7 +9,8 @@ of the model tokens of each turn index (``logprob_turn_K``, SimpleTIR's Figure 3
 it falls in later turns when feedback drifts the model off its distribution), and the
 diagnostics of :func:`megatron_tir.observe.diagnostics.rollout_diagnostics` (per-turn minimum
 log-prob and low-probability share, response-length percentiles, budget hits, void reasons,
-NeMo-RL's termination rates, ZeroTIR's code-use curves, reasoning patterns).
+NeMo-RL's termination rates, ZeroTIR's code-use curves, reasoning patterns); over a mix of
+sources (``data_source``), the reward of each (``reward_by_source/<source>``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,34 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
     for k, lps in sorted(by_turn.items()):
         out[f"logprob_turn_{k}"] = sum(lps) / len(lps)
     out |= rollout_diagnostics(trajs)
+    sources = sorted({t.data_source for t in trajs})
+    if len(sources) > 1:  # a mix (tir_mix: one per family, the held-out family's own curve among them)
+        for source in sources:
+            mine = [t.reward or 0.0 for t in trajs if t.data_source == source]
+            out[f"reward_by_source/{source or 'none'}"] = sum(mine) / len(mine)
     return {f"{prefix}/{k}": v for k, v in out.items()}
+
+
+def interruption_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[str, float]:
+    """Partial rollouts (``trainer.async=full``): a trajectory is *interrupted* when a weight sync
+    landed inside one of its model turns (the turn's tokens carry more than one weight version);
+    ``interrupted_share`` is their share, ``interrupted_spans_mean`` the mean number of version
+    spans (runs of one version) over an interrupted trajectory's model tokens, and
+    ``multi_version_share`` the share whose model tokens have more than one version at all (a sync
+    between two turns counts there, not as an interruption)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    interrupted, spans, multi = 0, 0, 0
+    for t in trajs:
+        model = [v for v in t.response_versions if v >= 0]
+        multi += len(set(model)) > 1
+        if any(len(set(t.response_versions[turn.start:turn.start + turn.model_tokens])) > 1 for turn in t.turns):
+            interrupted += 1
+            spans += 1 + sum(a != b for a, b in zip(model, model[1:]))
+    return {f"{prefix}/interrupted_share": interrupted / len(trajs),
+            f"{prefix}/interrupted_spans_mean": spans / interrupted if interrupted else 0.0,
+            f"{prefix}/multi_version_share": multi / len(trajs)}
 
 
 class MetricsSink:

@@ -28,6 +28,11 @@ dead rank 0 still ends the job in bounded time.
 
 A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure
 ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
+
+``trainer.async=full``: ``submit`` starts a :class:`~megatron_tir.train.group_producer.GroupProducer`
+once (groups generated without a break under the staleness bound) and ``next`` takes the step's
+groups from it; the prompt position a checkpoint records is then the first one not consumed, with
+the consumed positions past it (``StepRollouts.data_consumed_ahead``).
 """
 
 from __future__ import annotations
@@ -44,14 +49,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tir.rollout.factory import InfrastructureError
+from megatron_tir.rollout.factory import InfrastructureError, syncs_per_stage
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
-from megatron_tir.train.metrics import rollout_metrics
+from megatron_tir.train.group_producer import GroupProducer
+from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
@@ -69,11 +75,12 @@ class StepRollouts:
     rows: TrainRows | None  # this rank's share of the trained rows; None: no row is trained this step
     mini_batches: int  # mini-batches of the update (the same on every rank)
     metrics: dict[str, float]  # rank 0: rollout and filter metrics; other ranks: {}
-    data_position: int  # the prompt stream's position after the step
+    data_position: int  # the prompt stream's position after the step (full: the first position not consumed)
     schedule_switched_at: int | None
     rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
     turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
     collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
+    data_consumed_ahead: list[int] = dataclasses.field(default_factory=list)  # full: consumed positions past it
 
     @classmethod
     def of_groups(cls, groups, cfg: TrainConfig, *, pad_id: int = 0) -> StepRollouts:
@@ -216,8 +223,10 @@ class RolloutSource:
 
     def __init__(self, cfg: TrainConfig, *, service_factory, position: int = 0,
                  schedule_switched_at: int | None = None, pad_id: int | None = None,
-                 poll_s: float = 1.0, alive_timeout_s: float = 300.0) -> None:
+                 poll_s: float = 1.0, alive_timeout_s: float = 300.0, consumed_ahead=()) -> None:
         self.cfg = cfg
+        self.full = cfg.trainer.asynchrony.mode == "full"
+        self._producer: GroupProducer | None = None
         self._handoff = _HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
         self.rank = self._handoff.rank
         self.service = None
@@ -226,7 +235,7 @@ class RolloutSource:
         self.schedule_switched_at = schedule_switched_at
         self._rollout_cfg = cfg.rollout if schedule_switched_at is None else switched(cfg.rollout,
                                                                                        cfg.trainer.turn_schedule)
-        self.stream = PromptStream(cfg.data, position=position) if self.rank == 0 else None
+        self.stream = PromptStream(cfg.data, position=position, skip=consumed_ahead) if self.rank == 0 else None
         if self.rank == 0:
             try:
                 self.service = service_factory()
@@ -241,6 +250,29 @@ class RolloutSource:
             if header["error"] is not None:
                 self._handoff.close()
                 raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
+        self.stage_sync = None  # SGLang servers of their own: every stage's sender sends its weights
+        if syncs_per_stage(cfg.engine):
+            try:
+                self.stage_sync = self._start_stage_sync()
+            except BaseException:
+                self.close()
+                raise
+
+    def _start_stage_sync(self):
+        import socket
+
+        from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
+
+        from megatron_tir.rollout.engines.base import PauseMode
+
+        config = StageWeightSyncConfig(backend="nccl" if torch.cuda.is_available() else "gloo",
+                                       address=socket.getfqdn(),  # full: requests in flight wait and continue
+                                       pause_mode=PauseMode.RETRACT if self.full else PauseMode.ABORT)
+        service = self.service
+        sync = StageWeightSync(config, engine=None if service is None else service.engine,
+                               submit=None if service is None else service.submit)
+        sync.start()
+        return sync
 
     @property
     def rollout_cfg(self):
@@ -259,6 +291,16 @@ class RolloutSource:
             self._rollout_cfg, self.schedule_switched_at = switched(self.cfg.rollout, tc.turn_schedule), step
             log.info("turn schedule: %d turns, %d tokens from step %d", self._rollout_cfg.max_turns,
                      self._rollout_cfg.max_response_tokens, step)
+        if self.full:
+            self._pending[step] = (time.perf_counter(), None)
+            if self._producer is None:
+                self._producer = GroupProducer(
+                    arollout=self.service.arollout, stream=self.stream, rollout_cfg=lambda: self._rollout_cfg,
+                    version=lambda: self.service.weight_version, batch=tc.sampling.prompts_per_step,
+                    max_staleness=tc.asynchrony.max_staleness, filters=tc.filters,
+                    max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round)
+                self.service.runner.run(self._producer.start())
+            return
         one_round = functools.partial(self._sample_round, self._rollout_cfg)
         f = tc.filters
         coro = collect_groups(one_round, want=tc.sampling.prompts_per_step, max_rounds=tc.sampling.max_rounds,
@@ -276,7 +318,7 @@ class RolloutSource:
         weight sync after it never lands in the middle of them: each of their groups comes from one
         weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
         every rank."""
-        if self.rank == 0 and step in self._pending:
+        if self.rank == 0 and step in self._pending and self._pending[step][1] is not None:
             concurrent.futures.wait([self._pending[step][1]])
 
     async def _sample_round(self, rollout_cfg):
@@ -303,16 +345,25 @@ class RolloutSource:
 
     def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
         t0, future = self._pending.pop(step)
-        got = future.result()
         tc = self.cfg.trainer
-        metrics = rollout_metrics(got.sampled)
+        ahead, metrics = [], {}
+        if future is not None:
+            got = future.result()
+            position = self.stream.position  # after the rounds: they draw prompts as they go
+        else:  # full: the step's groups from the producer
+            taken = self.service.runner.run(self._producer.take(tc.sampling.prompts_per_step))
+            got, position, ahead = taken.collected, taken.data_position, taken.consumed_ahead
+            metrics |= {"rollout/groups_in_flight": float(taken.in_flight)}
+            if step == tc.steps:  # the last step: nothing more to generate (what runs returns to the stream)
+                self.service.runner.run(self._producer.stop())
+        metrics |= rollout_metrics(got.sampled) | interruption_metrics(got.groups)
         if stale := self.service.take_stale_responses():  # a server restarted with other weights
             metrics["rollout/stale_responses_dropped"] = float(stale)
             log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
         metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
         metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
         self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
-        header = {"data_position": self.stream.position, "schedule_switched_at": self.schedule_switched_at,
+        header = {"data_position": position, "consumed_ahead": ahead, "schedule_switched_at": self.schedule_switched_at,
                   "budget": [self._rollout_cfg.max_turns, self._rollout_cfg.max_response_tokens],
                   "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
         shares = None
@@ -346,7 +397,8 @@ class RolloutSource:
         self.schedule_switched_at = header["schedule_switched_at"]
         return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
                             data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
-                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected)
+                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected,
+                            data_consumed_ahead=list(header.get("consumed_ahead", [])))
 
     @property
     def tokenizer(self):
@@ -373,18 +425,35 @@ class RolloutSource:
         """Before the update (rank 0): the engine frees its memory where it shares the trainer's
         devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``.
         Skipped while a later step's rollouts are in flight: they need the engine."""
-        if self.rank == 0 and not self._pending:
+        if self.rank == 0 and not self._pending and self._producer is None:
             self.service.offload()
 
     def sync_weights(self, learner) -> None:
-        """The learner's weights into rank 0's engine (collective: every rank calls it)."""
-        if self.rank == 0:
+        """The learner's weights into rank 0's engine (collective: every rank calls it); per stage
+        where the servers have GPUs of their own (``megatron_tir.rollout.sync.stages``)."""
+        if self.stage_sync is not None:
+            self.stage_sync.update(learner)
+        elif self.rank == 0:
             self.service.sync_from(learner)
         else:
             drain(learner.named_hf_buckets())
+        if self._producer is not None:  # full: the new version may admit more groups
+            self.service.runner.run(self._producer.poke())
+
+    def engine_busy_s(self) -> float:
+        """Rank 0: seconds so far with a generation request in flight (0 elsewhere)."""
+        return 0.0 if self.service is None else self.service.engine_busy_s()
 
     def close(self) -> None:
         self._handoff.close()
+        if self._producer is not None:
+            try:
+                self.service.runner.run(self._producer.stop())
+            except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
+                log.exception("stopping the group producer")
+        if getattr(self, "stage_sync", None) is not None:
+            self.stage_sync.close()
+            self.stage_sync = None
         if self.service is not None:
             self.service.close()
 

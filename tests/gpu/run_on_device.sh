@@ -12,6 +12,8 @@
 #      log-prob parity against transformers, per-layer activation bytes of per-rank-shaped 7B / 32B
 #      layers at the recipes' token budgets (with and without full recomputation) against the
 #      capacity planner, learner tokens/s  -> $OUT/device_checks.json
+#   4. tests/gpu/nccl_sync_check.py: the per-stage sender's NCCL broadcast of a Qwen2.5-7B-sized
+#      flattened bucket set (15.2 GB bf16, 256 MiB buckets) vs a device copy -> $OUT/nccl_sync.json
 set -uo pipefail
 OUT="${OUT:?set OUT to the output directory}"
 mkdir -p "$OUT"
@@ -54,4 +56,8 @@ echo "pytest -m gpu exit status $?" | tee -a "$OUT/pytest_gpu.log"; tail -5 "$OU
 step "device checks"
 timeout 200 python tests/gpu/device_checks.py --out "$OUT/device_checks.json" 2>&1 | tee "$OUT/device_checks.log"
 echo "device checks exit status ${PIPESTATUS[0]}"
+
+step "NCCL weight-sync broadcast, 7B-sized buckets"
+timeout 120 python tests/gpu/nccl_sync_check.py --out "$OUT/nccl_sync.json" 2>&1 | tee "$OUT/nccl_sync.log"
+echo "nccl sync check exit status ${PIPESTATUS[0]}"
 step "done"

@@ -90,3 +90,25 @@ def test_tir_launch_plan_prints_the_tables(example_cluster, capsys):
     assert "trainer, per GPU (GiB)" in out and "sglang: 4 server(s) of TP 4" in out and out.rstrip().endswith("fits")
     assert main(["plan", "--recipe", "qwen2.5-32b-simpletir", "--cluster", str(example_cluster),
                  "--set", "trainer.checkpoint.minutes=0"]) == 2
+
+
+@pytest.mark.parametrize("model,pp,tensors", [("Qwen2.5-7B", 1, 339), ("Qwen2.5-32B", 2, 771)])
+def test_sync_time_follows_its_formula_over_the_learners_buckets(model, pp, tensors):
+    """The planner's sync model: the bytes are ``2 P`` (the memory model's parameter count), the
+    tensors the key map's HF tensors (771 for the 32B: 64 layers x 12 + embedding, norm, head),
+    the buckets between bytes / (256 MiB + the largest tensor) and bytes / 256 MiB + one per stage; per-stage = wire at one link's speed + a round
+    trip per bucket; through rank 0 adds the other stages' hop and a call per tensor."""
+    from megatron_tir.launch.plan import Assumptions, sync_time
+
+    spec, a = model_spec(model), Assumptions()
+    got = sync_time(model, pp=pp)
+    assert got["bytes"] == 2 * ModelShape.of(spec).total_params
+    assert got["tensors"] == tensors
+    largest = 2 * spec.vocab_size * spec.hidden_size  # a bucket closes once it holds 256 MiB: one tensor may overshoot
+    assert got["bytes"] / (a.sync_bucket_bytes + largest) <= got["buckets"] <= got["bytes"] / a.sync_bucket_bytes + pp
+    wire = got["bytes"] / a.sync_link_bytes_s
+    assert got["per_stage_s"] == pytest.approx(wire + got["buckets"] * a.sync_call_s, abs=0.01)
+    hop = 0.0 if pp == 1 else got["bytes"] / 2 / a.sync_link_bytes_s  # 32B at PP 2: about half on stage 1
+    assert got["through_rank0_s"] == pytest.approx(hop + wire + got["buckets"] * a.sync_call_s
+                                                   + tensors * a.sync_tensor_s, abs=0.05)
+    assert got["per_stage_s"] < got["through_rank0_s"]

@@ -10,9 +10,9 @@ before (every generated token records the version that sampled it; see
 ``Generation.versions``).
 
 Buckets are ``(stage, [(HF name, full tensor), ...])``: the pipeline stage the tensors
-come from (``Learner.named_hf_buckets``) and the tensors themselves. The syncs here send
-every bucket from the one rank that holds the engine; the stage is what a per-stage
-sender would split on.
+come from (``Learner.named_hf_buckets`` relays every stage's to rank 0;
+``Learner.stage_buckets`` gives each stage's to that stage's sender, for
+:mod:`megatron_tir.rollout.sync.stages`) and the tensors themselves.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class WeightSync(Protocol):
     async def close(self) -> None: ...
 
 
+FLATTENED = "flattened_bucket"  # sglang 0.5.23 load_format: one uint8 broadcast per bucket (see flatten)
 WEIGHTS_TAG = "weights"  # resumed before the load; the other tags after it (sglang 0.5.23 weight_updater.py)
 
 
@@ -88,3 +89,20 @@ def drain(buckets: Iterable[Bucket]) -> None:
     """Take part in a collective export without an engine (every rank but the one holding it)."""
     for _ in buckets:
         pass
+
+
+def flatten(tensors: Tensors) -> torch.Tensor:
+    """A bucket as one uint8 tensor, SGLang's flattened-bucket layout: each tensor's bytes in
+    order (``srt/weight_sync/tensor_bucket.py`` ``FlattenedTensorBucket``; the receiver allocates
+    it with ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` and views each tensor back).
+    ValueError for a tensor whose offset is not a multiple of its element size (``empty`` refuses it)."""
+    import torch
+
+    offset, parts = 0, []
+    for name, tensor in tensors:
+        if offset % tensor.element_size():
+            raise ValueError(f"flattened bucket: {name} ({tensor.dtype}) would start at byte {offset}, "
+                             f"not a multiple of {tensor.element_size()}")
+        parts.append(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += parts[-1].numel()
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

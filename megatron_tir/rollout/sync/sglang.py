@@ -37,7 +37,12 @@ token which version sampled it (``meta_info.weight_versions``).
 
 :class:`DistributedWeightSync` broadcasts over a process group the servers join
 (``/init_weights_update_group``; NCCL on GPUs, gloo in the CPU tests): rank 0 is this
-trainer rank, the servers' TP ranks follow. Before building it every server's
+trainer rank, the servers' TP ranks follow. Each bucket is one broadcast in SGLang's
+flattened-bucket format (``load_format="flattened_bucket"``: the distributed path of 0.5.23
+receives it as one uint8 tensor, ``model_runner_components/weight_updater.py``
+``_receive_bucketed_weights_from_distributed``; ``load_format=None``: one per tensor). The
+trainer sends through this rank only here; with pipeline stages the trainer uses
+:mod:`megatron_tir.rollout.sync.stages` (every stage's sender in a group of its own). Before building it every server's
 ``/server_info`` must show ``dp_size`` 1 (SGLang asserts it) and a ``tp_size``, which
 sets the rank offsets. :class:`TensorWeightSync` is the colocated path (the server shares
 this rank's GPUs): CUDA IPC handles, one serialized payload per server TP rank.
@@ -61,7 +66,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
 from megatron_tir.rollout.engines.base import MEMORY_TAGS
-from megatron_tir.rollout.sync.base import WEIGHTS_TAG, Bucket, check_bucket
+from megatron_tir.rollout.sync.base import FLATTENED, WEIGHTS_TAG, Bucket, check_bucket, flatten
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +88,11 @@ class DistributedWeightSyncConfig:
     timeout_s: float = 600.0  # joining the group; one broadcast
     rejoin_timeout_s: float = 120.0  # before a sync: how long a server that is down (restarting) is waited for
     pause_mode: PauseMode = PauseMode.ABORT  # what a sync does with requests in flight
+    load_format: str | None = FLATTENED  # one broadcast per bucket; None: one per tensor
 
     def __post_init__(self) -> None:
+        if self.load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format must be {FLATTENED!r} or None, got {self.load_format!r}")
         if not self.master_address:
             raise ValueError("master_address is empty")
         if not 0 < self.master_port < 65536:
@@ -120,10 +128,17 @@ def new_trainer_process_group(*, master_address: str, master_port: int, world_si
     a ``PrefixStore(group_name, store)`` and ``_new_process_group_helper`` (sglang
     ``init_custom_process_group``); the trainer side builds the same store layout.
     """
+    return join_process_group(master_address=master_address, master_port=master_port, world_size=world_size,
+                              rank=0, group_name=group_name, backend=backend, timeout_s=timeout_s)
+
+
+def join_process_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+                       backend: str, timeout_s: float):
+    """Rank ``rank`` of such a group (rank 0 hosts the rendezvous store)."""
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(tcp_init_method(master_address, master_port), 0, world_size,
+    store, rank, world = next(c10d.rendezvous(tcp_init_method(master_address, master_port), rank, world_size,
                                               timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
@@ -291,11 +306,13 @@ class DistributedWeightSync:
                 announce = asyncio.ensure_future(self.engine.update_weights_from_distributed(
                     names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     shapes=[list(t.shape) for _, t in bucket], group_name=self.group_name,
-                    weight_version=weight_version))
+                    weight_version=weight_version, load_format=self.config.load_format))
+                payload = ([flatten(bucket)] if self.config.load_format == FLATTENED
+                           else [t.contiguous() for _, t in bucket])
 
-                def broadcast(bucket=bucket) -> None:
-                    for _, tensor in bucket:
-                        dist.broadcast(tensor.contiguous(), src=0, group=self.group)
+                def broadcast(payload=payload) -> None:
+                    for tensor in payload:
+                        dist.broadcast(tensor, src=0, group=self.group)
 
                 try:
                     await loop.run_in_executor(None, broadcast)
@@ -319,12 +336,17 @@ class DistributedWeightSync:
             self.group = None
 
 
-def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int, *,
+                           flattened: bool = False) -> list[str]:
     """One base64 ``MultiprocessingSerializer`` dump of ``bucket`` per server TP rank (CUDA only).
 
     SGLang's ``deserialize_own_rank`` reads entry ``tp_rank`` after
     ``monkey_patch_torch_reductions`` (CUDA IPC handles keyed by device UUID), so the dump
     is made after the same patch, once per rank (each rank's copy is released separately).
+    ``flattened``: the dump is ``{"flattened_tensor", "metadata"}`` of SGLang's
+    ``FlattenedTensorBucket`` (``srt/weight_sync/tensor_bucket.py``), what
+    ``load_format="flattened_bucket"`` reads (``model_runner_components/weight_updater.py``
+    ``_update_weights_from_flattened_bucket``): one IPC handle per bucket, not per tensor.
     """
     bucket = check_bucket((0, bucket))
     on_cpu = [name for name, tensor in bucket if not tensor.is_cuda]
@@ -336,7 +358,13 @@ def serialize_for_tp_ranks(bucket: list[tuple[str, torch.Tensor]], tp_size: int)
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()
-    return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
+    payload: object = list(bucket)
+    if flattened:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        flat = FlattenedTensorBucket(named_tensors=list(bucket))
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp_size)]
 
 
 def node_addresses() -> frozenset[str]:
@@ -376,7 +404,11 @@ class TensorWeightSync:
     """Colocated sync: CUDA IPC handles of this rank's tensors to every server TP rank."""
 
     def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT,
-                 local_addresses: Iterable[str] | None = None, rejoin_timeout_s: float = 120.0) -> None:
+                 local_addresses: Iterable[str] | None = None, rejoin_timeout_s: float = 120.0,
+                 load_format: str | None = FLATTENED) -> None:
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format must be {FLATTENED!r} or None, got {load_format!r}")
+        self.load_format = load_format
         if not rejoin_timeout_s > 0:
             raise ValueError(f"rejoin_timeout_s must be > 0, got {rejoin_timeout_s}")
         self.rejoin_timeout_s = rejoin_timeout_s
@@ -415,8 +447,10 @@ class TensorWeightSync:
         async def load(weight_version: str) -> None:
             for bucket in buckets:
                 tensors = check_bucket(bucket)
-                payloads = [serialize_for_tp_ranks(tensors, tp) for tp in tp_sizes]
-                await self.engine.update_weights_from_tensor(payloads, weight_version=weight_version)
+                payloads = [serialize_for_tp_ranks(tensors, tp, flattened=self.load_format == FLATTENED)
+                            for tp in tp_sizes]
+                await self.engine.update_weights_from_tensor(payloads, weight_version=weight_version,
+                                                             load_format=self.load_format)
 
         return await _run_sync(self.engine, self.pause_mode, load)
 

@@ -14,6 +14,8 @@ from megatron_tir.data.tasks import (
     LEVELS,
     TRAIN,
     TRAIN_FAMILIES,
+    TRAIN_LEVEL_CYCLE,
+    hint_code,
     mix_problems,
     task_spec,
 )
@@ -84,3 +86,34 @@ def test_a_different_seed_gives_different_problems():
     a = mix_problems(12, seed=0)
     b = mix_problems(12, seed=1)
     assert all(x.messages != y.messages for x, y in zip(a, b))
+
+
+def _run_hint(code):
+    """Run the hint as the sandbox would: every statement, the last one's value returned."""
+    *setup, last = code.split("; ")
+    scope = {}
+    exec("\n".join(setup), scope)
+    return eval(last, scope)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_level_1_names_code_that_computes_the_answer_and_the_other_levels_do_not(family):
+    split = HELD_OUT if family == HELD_OUT_FAMILY else TRAIN
+    for i in range(40):
+        spec = task_spec(family, i, level=1, split=split)
+        code = hint_code(family, spec.params)
+        if family == "arithmetic":
+            assert code is None and "In Python" not in spec.question
+            continue
+        assert f"In Python, `{code}` computes it." in spec.question
+        assert str(_run_hint(code)) == spec.answer, (spec.question, spec.answer)
+    for level in (2, 3):
+        assert "In Python" not in task_spec(family, 0, level=level, split=split).question
+
+
+def test_training_levels_follow_the_cycle_and_held_out_levels_cycle_1_2_3():
+    train = mix_problems(6 * len(TRAIN_LEVEL_CYCLE), split=TRAIN)
+    hinted = ["In Python" in p.messages[0]["content"] for p in train if p.data_source != "arithmetic"]
+    assert sum(hinted) == len(hinted) // 2  # levels 1, 2, 1, 3: half the prompts at level 1
+    held = mix_problems(7 * 3, split=HELD_OUT)
+    assert [("In Python" in p.messages[0]["content"]) for p in held if p.data_source == "gcd_lcm"] == [True, False, False]

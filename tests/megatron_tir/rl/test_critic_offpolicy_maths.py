@@ -1,6 +1,8 @@
 """GAE with feedback spans, value loss, KL in the reward, REINFORCE++-baseline and the
 behaviour weights of the decoupled objective, each against a hand or numpy computation."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -75,6 +77,9 @@ def test_explained_variance():
     ret, m = torch.tensor([[1.0, 2.0, 3.0, 0.0]]), torch.tensor([[1, 1, 1, 0]])
     assert explained_variance(ret, ret, m).item() == pytest.approx(1.0)
     assert explained_variance(torch.full_like(ret, 2.0), ret, m).item() == pytest.approx(0.0, abs=1e-6)
+    # returns that do not vary (one row of an outcome reward, gamma = 1): undefined, not "perfect"
+    flat = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert math.isnan(explained_variance(torch.zeros_like(flat), flat, m).item())
 
 
 def test_reinforce_pp_baseline_equals_numpy():

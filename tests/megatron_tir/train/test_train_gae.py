@@ -29,7 +29,7 @@ def test_gae_advantages_by_hand():
     batch = TrainBatch(tokens_BT=torch.zeros(2, 5, dtype=torch.long), attention_mask_BT=torch.ones(2, 5, dtype=torch.bool),
                        loss_mask_BT=mask, extras={"advantages_BT": torch.zeros(2, 5)})
     values = torch.tensor([[9.0, 0.5, 0.25, 7.0, 0.5], [9.0, 0.5, 0.5, 0.0, 0.0]])
-    out, stats = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(whiten=False),
+    out, stats = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(whiten="off"),
                                 model_mask_BT=mask)
     metrics = critic_metrics(stats)
     # gamma = lam = 1: A_t = R - V(s_t) on model tokens; the feedback token is skipped
@@ -43,6 +43,24 @@ def test_gae_advantages_by_hand():
     whitened, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(), model_mask_BT=mask)
     a = whitened.extras["advantages_BT"][mask > 0]
     assert float(a.mean()) == pytest.approx(0.0, abs=1e-6) and float(a.std(unbiased=False)) == pytest.approx(1, rel=1e-3)
+    raw = torch.tensor([0.5, 0.75, 0.5, -0.5, -0.5])  # the unwhitened advantages above, model tokens in order
+    rms, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(whiten="rms"), model_mask_BT=mask)
+    assert rms.extras["advantages_BT"][mask > 0].tolist() == pytest.approx((raw / raw.pow(2).mean().sqrt()).tolist())
+
+
+def test_rms_whitening_keeps_the_signal_of_a_lone_row():
+    """One correct row left in the update (its group's void rows dropped by the mode) and a fresh
+    critic (values 0): centring erases its advantage, ``rms`` keeps it at +1 on every model token."""
+    mask = torch.tensor([[0, 1, 1, 1]], dtype=torch.float32)
+    batch = TrainBatch(tokens_BT=torch.zeros(1, 4, dtype=torch.long), attention_mask_BT=torch.ones(1, 4, dtype=torch.bool),
+                       loss_mask_BT=mask, extras={})
+    zero = torch.zeros(1, 4)
+    centred, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="batch"), model_mask_BT=mask)
+    assert centred.extras["advantages_BT"].abs().max() == 0
+    kept, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="rms"), model_mask_BT=mask)
+    assert kept.extras["advantages_BT"][0].tolist() == pytest.approx([0, 1, 1, 1], abs=1e-6)
+    with pytest.raises(ValueError, match="whiten must be one of batch, rms, off"):
+        CriticConfig(whiten="yes")
 
 
 def test_kl_in_reward_needs_gae_and_is_a_separate_switch():

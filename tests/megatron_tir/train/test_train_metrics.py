@@ -70,3 +70,16 @@ def test_held_out_summary_lists_each_evaluation(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert held_out_summary(path) == ["held-out at step 0: reward 0.250, code_use_ratio 0.500",
                                       "held-out at step 2: reward 0.750, code_use_ratio nan"]
+
+
+def test_rollout_metrics_report_the_reward_of_each_source_of_a_mix():
+    a = group(0, (C, 1.0), (C, 0.0))
+    b = group(1, (C, 0.0), (V, 0.0))
+    for t in a.trajectories:
+        t.data_source = "arithmetic"
+    for t in b.trajectories:
+        t.data_source = "base_conversion"
+    m = rollout_metrics([a, b], prefix="eval")
+    assert m["eval/reward_by_source/arithmetic"] == 0.5
+    assert m["eval/reward_by_source/base_conversion"] == 0.0
+    assert not any("reward_by_source" in k for k in rollout_metrics([a]))  # one source: the overall reward says it

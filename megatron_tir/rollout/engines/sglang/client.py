@@ -159,6 +159,7 @@ class SGLangEngine:
         self.pool = ServerPool(config.server_urls, max_keys=config.max_route_keys)
         self.paused = False  # between pause() and resume(): health checks are suspended
         self.released_memory: tuple[str, ...] = ()  # tags released on every server, not yet resumed
+        self._released_on: dict[str, tuple[str, ...]] = {}  # per server URL: what it holds released
         self._server_info: list[dict[str, Any]] | None = None
         self._weight_version = 0
         self.stale_responses = 0  # answers dropped because their server served older weights
@@ -254,7 +255,7 @@ class SGLangEngine:
                 ok, why = False, str(exc)
             else:
                 if served != self._weight_version:
-                    self.pool.mark_stale(server, f"weight version {served}, the engine's is {self._weight_version}")
+                    self._mark_restarted(server, f"weight version {served}, the engine's is {self._weight_version}")
         if ok:
             self.pool.mark_up(server)
         else:
@@ -314,7 +315,7 @@ class SGLangEngine:
                 gen.meta.get("weight_version"), where="meta_info.weight_version")
             if served < sent_version:  # the server missed a sync (it restarted): drop the answer
                 self.stale_responses += 1
-                self.pool.mark_stale(server, f"answered with weight version {served}, the engine's is {sent_version}")
+                self._mark_restarted(server, f"answered with weight version {served}, the engine's is {sent_version}")
                 failures.append(f"{server.url}: stale weights (version {served} < {sent_version})")
                 stale = gen
                 continue
@@ -356,13 +357,14 @@ class SGLangEngine:
 
     async def call_all(self, path: str, payload: dict[str, Any] | None = None, *,
                        payload_for: Callable[[int], dict[str, Any]] | None = None,
-                       fail_fast: bool = False) -> list[Any]:
-        """POST ``path`` to every server at once; SGLangError listing each server that failed.
+                       fail_fast: bool = False, servers: Sequence[ServerState] | None = None) -> list[Any]:
+        """POST ``path`` to every server (or to ``servers``) at once; SGLangError listing each server
+        that failed.
 
         ``payload_for(i)`` gives server i its own payload (e.g. its rank offset). With
         ``fail_fast`` the first failure raises at once (the other calls are cancelled).
         """
-        results = await self._call_each(path, payload, payload_for=payload_for, fail_fast=fail_fast)
+        results = await self._call_each(path, payload, payload_for=payload_for, fail_fast=fail_fast, servers=servers)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
         if errors:
             raise SGLangError("; ".join(str(e) for e in errors))
@@ -370,7 +372,7 @@ class SGLangEngine:
 
     async def _call_each(self, path: str, payload: dict[str, Any] | None, *,
                          payload_for: Callable[[int], dict[str, Any]] | None = None,
-                         fail_fast: bool = False) -> list[Any]:
+                         fail_fast: bool = False, servers: Sequence[ServerState] | None = None) -> list[Any]:
         """POST ``path`` to every server at once; per server its answer or its SGLangError."""
         await self.start()
 
@@ -385,7 +387,7 @@ class SGLangEngine:
                 raise SGLangError(f"{server.url}{path} answered {status}: {error_message(answer)}")
             return answer
 
-        tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(self.pool.servers)]
+        tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(self.pool.servers if servers is None else servers)]
         if fail_fast:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
@@ -464,7 +466,7 @@ class SGLangEngine:
         behind = []
         for server, version in zip(self.pool.servers, results):
             if version != self._weight_version:
-                self.pool.mark_stale(server, f"weight version {version}, the engine's is {self._weight_version}")
+                self._mark_restarted(server, f"weight version {version}, the engine's is {self._weight_version}")
                 behind.append(server)
         return behind
 
@@ -482,7 +484,7 @@ class SGLangEngine:
         self._weight_version = max(versions)
         for server, version in zip(self.pool.servers, versions):
             if version != self._weight_version:
-                self.pool.mark_stale(server, f"weight version {version}, the others' is {self._weight_version}")
+                self._mark_restarted(server, f"weight version {version}, the others' is {self._weight_version}")
         return self._weight_version
 
     async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
@@ -549,6 +551,12 @@ class SGLangEngine:
         if errors:
             raise SGLangError("; ".join(str(e) for e in errors))
 
+    def _mark_restarted(self, server: ServerState, why: str) -> None:
+        """A server that serves another weight version restarted: stale until a sync updates it, and
+        holding nothing released (a fresh process has all its memory)."""
+        self.pool.mark_stale(server, why)
+        self._released_on.pop(server.url, None)
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (``weights``, ``kv_cache``, ``cuda_graph``; None: all) while paused.
 
@@ -562,14 +570,27 @@ class SGLangEngine:
             raise SGLangError(f"{', '.join(no_saver)} run(s) without --enable-memory-saver: release frees nothing")
         await self.call_all("/release_memory_occupation", {"tags": list(tags)})
         self.released_memory = released
+        for server in self.pool.servers:
+            self._released_on[server.url] = tuple(dict.fromkeys(self._released_on.get(server.url, ()) + tags))
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Take back the memory released (None: exactly the tags released; nothing: no call)."""
+        """Take back the memory released (None: exactly the tags released; nothing: no call).
+
+        A server that restarted since the release (seen through its weight version) holds
+        nothing released and is skipped: resuming a tag it never released kills its scheduler
+        (``offload_tags.remove``, fake_sglang.py rule 4)."""
         tags = self.released_memory if tags is None else tuple(tags)
         if not tags:
             return
         still = check_resume(self.released_memory, tags)
-        await self.call_all("/resume_memory_occupation", {"tags": list(tags)})
+        targets = [s for s in self.pool.servers if set(tags) <= set(self._released_on.get(s.url, ()))]
+        skipped = [s.url for s in self.pool.servers if s not in targets]
+        if skipped:
+            log.warning("not resuming %s on %s: restarted since the release", list(tags), ", ".join(skipped))
+        if targets:
+            await self.call_all("/resume_memory_occupation", {"tags": list(tags)}, servers=targets)
+        for server in targets:
+            self._released_on[server.url] = tuple(t for t in self._released_on[server.url] if t not in tags)
         self.released_memory = still
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, group_name: str,
@@ -601,13 +622,17 @@ class SGLangEngine:
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]], group_name: str,
-                                              weight_version: str | None = None) -> None:
-        """Announce one bucket of tensors; the trainer broadcasts them (rank 0) meanwhile.
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        """Announce one bucket of tensors; the group's rank 0 broadcasts them meanwhile (one
+        tensor each, or with ``load_format="flattened_bucket"`` one uint8 tensor of them all).
 
         ``flush_cache`` is false: the sync flushes once, after ``end_weight_update``.
         """
         payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
                    "group_name": group_name, "flush_cache": False}
+        if load_format is not None:
+            payload["load_format"] = load_format
         version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if weight_version is not None:
             payload["weight_version"] = weight_version

@@ -49,6 +49,17 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
      tokens and ``meta_info.weight_version`` = the last span's version
      (``utils/weight_versions.py`` ``compute_weight_version_spans``,
      ``add_weight_versions_to_meta_info``); there is no ``/get_weight_version`` in 0.5.23.
+  10. several groups, one request at a time -- groups are kept by name, any number of them
+     (``model_executor/model_runner_components/weight_updater.py`` ``_model_update_group``);
+     the scheduler runs one request at a time and a join or a receive holds it until every
+     rank of that group is there (``managers/scheduler.py`` event loop), so group joins,
+     receives and leaves here take one lock: a trainer that sends two groups' requests to two
+     servers in different orders deadlocks them, as it would the real ones.
+  11. bucket formats -- ``load_format: "flattened_bucket"`` receives one uint8 broadcast laid
+     out by SGLang's own ``FlattenedTensorBucket`` (``weight_sync/tensor_bucket.py``, loaded from
+     the installed source); any other value receives one broadcast per tensor, as
+     ``receive_weights_from_distributed`` does. ``/fake_state`` lists what arrived on which group
+     (``received``) and, with ``?weights=1``, a sha256 of every served weight.
 Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
@@ -73,6 +84,7 @@ from aiohttp import web
 
 from sglang_schema import (
     api_types,
+    sglang_tensor_bucket,
     check_io_struct,
     server_cli_flags,
     sglang_init_custom_process_group,
@@ -140,6 +152,12 @@ class RadixCache:
         self.root = {}
 
 
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
 def _json(body: dict, status: int = 200) -> web.Response:
     return web.json_response(body, status=status)
 
@@ -177,6 +195,8 @@ class FakeSGLangServer:
         self.memory_released: set[str] = set()  # offload_tags
         self.memory_freed: set[str] = set()  # what the memory saver really freed
         self.groups: dict[str, Any] = {}  # weight-update groups joined (None when not really joined)
+        self.scheduler_lock = asyncio.Lock()  # rule 10: one blocking scheduler request at a time
+        self.received: list[dict] = []  # rule 11: per update, its group, format, names and bytes
         self.weight_version = LAUNCH_WEIGHT_VERSION
         self._version_names = {"0": "default"}  # backend LocalEngine version -> announced weight_version
         self.radix = RadixCache()
@@ -261,9 +281,17 @@ class FakeSGLangServer:
         return _json({"model_path": "fake", "is_generation": True, "weight_version": self.weight_version})
 
     async def _fake_state(self, request: web.Request) -> web.Response:
-        return _json({"paths": [p for p, _ in self.requests], "session_open": self.session_open,
-                      "is_pause": self.is_pause, "weight_version": self.weight_version,
-                      "memory_released": sorted(self.memory_released), "contract_errors": self.contract_errors})
+        state = {"paths": [p for p, _ in self.requests], "session_open": self.session_open,
+                 "is_pause": self.is_pause, "weight_version": self.weight_version,
+                 "memory_released": sorted(self.memory_released), "contract_errors": self.contract_errors,
+                 "received": self.received}
+        if request.query.get("weights") and self.engine is not None:
+            import hashlib
+
+            state["weights"] = {name: hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch_uint8())
+                                                     .numpy().tobytes()).hexdigest()
+                                for name, t in self.engine.model.state_dict().items()}
+        return _json(state)
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         try:
@@ -400,6 +428,10 @@ class FakeSGLangServer:
         return _json({"success": True, "message": message})
 
     async def _do_init_weights_update_group(self, request, body: dict) -> web.Response:
+        async with self.scheduler_lock:
+            return await self._init_group(body)
+
+    async def _init_group(self, body: dict) -> web.Response:
         def failed(why: str) -> web.Response:
             return _json({"success": False, "message": f"Failed to initialize custom process group: {why}."},
                          status=400)
@@ -431,6 +463,10 @@ class FakeSGLangServer:
         return _json({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def _do_destroy_weights_update_group(self, request, body: dict) -> web.Response:
+        async with self.scheduler_lock:
+            return self._destroy_group(body)
+
+    def _destroy_group(self, body: dict) -> web.Response:
         group_name = body.get("group_name", "weight_update_group")
         if group_name not in self.groups:
             return _json({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
@@ -455,8 +491,15 @@ class FakeSGLangServer:
             return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
                                                        f"{list(self.groups)}."}, status=400)
         group = self.groups[group_name]
+        flattened = body.get("load_format") == "flattened_bucket"
+        self.received.append({"group": group_name, "load_format": body.get("load_format"), "names": body["names"]})
         if group is not None:
             def receive():
+                if flattened:  # _receive_bucketed_weights_from_distributed
+                    bucket = sglang_tensor_bucket().FlattenedTensorBucket.empty(
+                        body["names"], body["dtypes"], body["shapes"], "cpu")
+                    dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+                    return bucket.reconstruct_tensors()
                 received = []
                 for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
                     tensor = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -464,7 +507,8 @@ class FakeSGLangServer:
                     received.append((name, tensor))
                 return received
 
-            received = await asyncio.get_running_loop().run_in_executor(None, receive)
+            async with self.scheduler_lock:
+                received = await asyncio.get_running_loop().run_in_executor(None, receive)
             try:
                 await self.engine.update_weights(received)
             except ValueError as exc:

@@ -6,7 +6,8 @@
   * control endpoints: the field lists of the request classes in
     ``sglang/srt/managers/io_struct.py`` (read with ``ast``: that module needs a GPU stack);
   * launcher argv: the CLI fields declared in ``sglang/srt/arg_groups/fields``;
-  * ``init_custom_process_group`` (``srt/utils/common.py``), compiled from its source.
+  * ``init_custom_process_group`` (``srt/utils/common.py``), compiled from its source;
+  * ``FlattenedTensorBucket`` (``srt/weight_sync/tensor_bucket.py``), loaded alone (it needs only torch).
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def api_types():
     """sglang/api/v1/api_types.py loaded alone (it needs only msgspec)."""
     path = sglang_root() / "api" / "v1" / "api_types.py"
     spec = importlib.util.spec_from_file_location("sglang_api_v1_types", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def sglang_tensor_bucket():
+    """sglang/srt/weight_sync/tensor_bucket.py loaded alone (it needs only torch)."""
+    path = sglang_root() / "srt" / "weight_sync" / "tensor_bucket.py"
+    spec = importlib.util.spec_from_file_location("sglang_weight_sync_tensor_bucket", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

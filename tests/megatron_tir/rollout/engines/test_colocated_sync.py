@@ -41,7 +41,7 @@ COLOCATED_STEP = [
 
 @pytest.fixture
 def cpu_payloads(monkeypatch):
-    monkeypatch.setattr(ws, "serialize_for_tp_ranks", lambda bucket, tp: ["c3RhbmQtaW4="] * tp)
+    monkeypatch.setattr(ws, "serialize_for_tp_ranks", lambda bucket, tp, flattened=False: ["c3RhbmQtaW4="] * tp)
 
 
 def control_calls(server: FakeSGLangServer) -> list[tuple[str, list | None]]:

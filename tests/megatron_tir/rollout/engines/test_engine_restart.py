@@ -29,16 +29,16 @@ BUCKETS = [(0, [("model.norm.weight", torch.ones(4))])]
 
 @pytest.fixture(autouse=True)
 def cpu_payloads(monkeypatch):
-    monkeypatch.setattr(ws, "serialize_for_tp_ranks", lambda bucket, tp: ["c3RhbmQtaW4="] * tp)
+    monkeypatch.setattr(ws, "serialize_for_tp_ranks", lambda bucket, tp, flattened=False: ["c3RhbmQtaW4="] * tp)
 
 
-def fake() -> FakeSGLangServer:
-    return FakeSGLangServer(scripted(canned_response))
+def fake(**kwargs) -> FakeSGLangServer:
+    return FakeSGLangServer(scripted(canned_response), **kwargs)
 
 
-async def restart(server: FakeSGLangServer) -> FakeSGLangServer:
+async def restart(server: FakeSGLangServer, **kwargs) -> FakeSGLangServer:
     await server.stop()
-    fresh = fake()
+    fresh = fake(**kwargs)
     await fresh.start(port=server.port)
     return fresh
 
@@ -132,3 +132,33 @@ def test_a_server_that_never_comes_back_fails_the_sync_in_bounded_time_naming_it
     url, message, took, a = run(main())
     assert url in message and "did not answer within 1s" in message and took < 5
     assert not any(p == "/pause_generation" for p, _ in a.requests[-3:])  # refused before pausing anyone
+
+
+def test_a_colocated_server_restarted_between_offload_and_the_sync_is_not_resumed_and_rejoins():
+    """After ``offload()`` every server has released its memory; one that restarts before the sync
+    holds nothing released, and resuming a tag there would kill it (fake rule 4, SGLang's
+    ``offload_tags.remove``): the sync resumes only the servers that released, updates all."""
+    async def main():
+        a, b = fake(enable_memory_saver=True), fake(enable_memory_saver=True)
+        async with client([await a.start(), await b.start()]) as engine:
+            sync = ws.TensorWeightSync(engine)
+            await sync.start()
+            assert await sync.update(BUCKETS) == 1
+            await sync.offload()
+            assert a.memory_released == b.memory_released == {"weights", "kv_cache", "cuda_graph"}
+            b = await restart(b, enable_memory_saver=True)  # the agent restarted it while the trainer trained
+            version = await sync.update(BUCKETS)
+            outs = [await engine.generate([1, 2], SamplingParams(max_new_tokens=3, route_key=f"k{i}"))
+                    for i in range(6)]
+            await sync.offload()  # the next step: both release again, both resume
+            again = await sync.update(BUCKETS)
+        await a.stop()
+        await b.stop()
+        return a, b, version, again, outs
+
+    a, b, version, again, outs = run(main())
+    assert version == 2 and again == 3 and a.crashed is None and b.crashed is None
+    assert not a.memory_released and not b.memory_released and a.weight_version == b.weight_version == "3"
+    resumed_on_b = [body["tags"] for p, body in b.requests if p == "/resume_memory_occupation"]
+    assert resumed_on_b == [["weights"], ["kv_cache", "cuda_graph"]]  # the second step's only
+    assert {g.meta["server"] for g in outs} == {a.url, b.url} and all(g.versions == [2, 2, 2] for g in outs)
