@@ -116,7 +116,11 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
         source.submit(1)
         got = source.next(1)
         metrics = update_policy(cfg, got, learner, {}, temperature=1.0, critic=critic)
-        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics}
+        from megatron.core import parallel_state
+
+        view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
+                parallel_state.is_pipeline_last_stage())
+        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics, "view": view}
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     torch.save(received, f"{out}/received_rank{rank}.pt")
     if rank == 0:
