@@ -248,12 +248,10 @@ class TrainConfig:
         if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
             raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
                              "trainer.loss.kl_coef is the KL loss for the other estimators")
-        if self.trainer.asynchrony.mode == "full" and self.engine.colocated:
-            raise ValueError("trainer.async=full keeps the engines generating while the trainer trains; colocated "
-                             "engines (engine.colocated) free their memory for training: use one_step or off")
-        if self.trainer.asynchrony.mode == "one_step" and self.engine.colocated:
-            raise ValueError("trainer.async=one_step cannot overlap with engine.colocated=true: generation and "
-                             "training share the GPUs (run the engines on their own GPUs, or trainer.async=off)")
+        if self.trainer.asynchrony.mode != "off" and self.engine.colocated:  # one_step and full overlap the two
+            raise ValueError(f"trainer.async={self.trainer.asynchrony.mode} cannot overlap with engine.colocated=true: "
+                             f"generation and training share the GPUs (colocated engines free their memory for "
+                             f"training; run the engines on their own GPUs, or trainer.async=off)")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model

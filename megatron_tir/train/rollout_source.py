@@ -14,8 +14,11 @@ hand-off:
 
 * a small header (data position, turn schedule, mini-batches, shapes, or a stop cause) goes
   through the job's key-value store (the ``TCPStore`` every rank joined at start);
-* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source
-  (ranks of one data-parallel replica -- its TP / PP peers -- get the same rows).
+* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source: the
+  rows of its data-parallel replica, and of them what its pipeline stage reads
+  (:func:`~megatron_tir.train.batch.stage_fields`: the first stage the token ids, the last
+  what its loss reads, a middle stage only the rows' lengths and mini-batches -- the shapes of
+  the pipeline schedule's sends and receives); TP peers get the same.
 
 The other ranks wait for the header by polling the store, not inside a collective: no
 process-group timeout or watchdog runs out however long a round of rollouts takes. Rank 0
@@ -109,9 +112,12 @@ class _HandOff:
         self.poll_s, self.alive_timeout_s = poll_s, alive_timeout_s
         self.store = torch.distributed.PrefixStore("megatron_tir/rollouts/", _get_default_store())
         self.group = torch.distributed.new_group(backend="gloo", timeout=HANDOFF_TIMEOUT)  # every rank, once
-        dp = [None] * self.world
-        torch.distributed.all_gather_object(dp, parallel_state.get_data_parallel_rank(), group=self.group)
-        self.dp_of = [int(d) for d in dp]
+        # each rank's data-parallel replica and pipeline stage (first, last): the rows it gets and what of them
+        view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
+                parallel_state.is_pipeline_last_stage())
+        views = [None] * self.world
+        torch.distributed.all_gather_object(views, view, group=self.group)
+        self.view_of = [(int(d), bool(f), bool(la)) for d, f, la in views]
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.received_bytes = 0  # what this rank received last (tests and metrics)
         self._stop = threading.Event()
@@ -128,34 +134,40 @@ class _HandOff:
             except Exception:  # noqa: BLE001 - the store went away: the job is ending
                 return
 
-    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> None:
-        """Rank 0: ``header`` to every rank, ``shares[dp]`` to each rank of data-parallel replica ``dp``."""
+    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> TrainRows | None:
+        """Rank 0: ``header`` to every rank and, to each rank of data-parallel replica ``dp``, what its
+        pipeline stage reads of ``shares[dp]`` (:meth:`TrainRows.for_stage`). Returns rank 0's rows."""
         header = dict(header)
-        if shares is not None:
-            header["shapes"] = [{k: [str(v.dtype).removeprefix("torch."), list(v.shape)]
-                                 for k, v in share.tensors().items()} for share in shares]
-        self.store.set(key, json.dumps(header))
         if shares is None:
-            return
+            self.store.set(key, json.dumps(header))
+            return None
+        parts = {_view_key(view): shares[view[0]].for_stage(first=view[1], last=view[2]) for view in set(self.view_of)}
+        header["shapes"] = {k: {name: [str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in part.items()}
+                            for k, part in parts.items()}
+        header["lengths"] = {_view_key(view): shares[view[0]].attention_mask_BT.shape[1] for view in set(self.view_of)}
+        self.store.set(key, json.dumps(header))
         for r in range(1, self.world):
-            for v in shares[self.dp_of[r]].tensors().values():
+            for v in parts[_view_key(self.view_of[r])].values():
                 torch.distributed.send(_wire(v), dst=r, group=self.group)
+        mine = _view_key(self.view_of[0])
+        return TrainRows.from_stage(parts[mine], header["lengths"][mine])
 
     def receive(self, key: str, *, what: str) -> tuple[dict, TrainRows | None]:
         """Every rank but 0: wait (as long as rank 0 lives) for ``key``'s header, then this rank's rows."""
         self._wait(key, what=what)
         header = json.loads(self.store.get(key))
-        shapes = header.pop("shapes", None)
+        shapes, lengths = header.pop("shapes", None), header.pop("lengths", None)
         if shapes is None:
             return header, None
+        mine = _view_key(self.view_of[self.rank])
         tensors, got = {}, 0
-        for name, (dtype, shape) in shapes[self.dp_of[self.rank]].items():
+        for name, (dtype, shape) in shapes[mine].items():
             buf = torch.empty(shape, dtype=torch.uint8 if dtype == "bool" else getattr(torch, dtype))
             torch.distributed.recv(buf, src=0, group=self.group)
             got += buf.numel() * buf.element_size()
             tensors[name] = buf.bool() if dtype == "bool" else buf
         self.received_bytes = got
-        return header, TrainRows(**tensors)
+        return header, TrainRows.from_stage(tensors, lengths[mine])
 
     def _wait(self, key: str, *, what: str) -> None:
         beat, seen_at, sleep = None, time.monotonic(), 0.01
@@ -186,6 +198,11 @@ class _HandOff:
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=5)
+
+
+def _view_key(view: tuple[int, bool, bool]) -> str:
+    """``dp/first/last`` of a rank's view (data-parallel replica, first and last pipeline stage)."""
+    return f"{view[0]}/{int(view[1])}/{int(view[2])}"
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -322,9 +339,9 @@ class RolloutSource:
             self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {type(exc).__name__}: "
                                                 f"{' '.join(str(exc).split())[:300]}"})
             raise
-        self._handoff.publish(key, header, shares)
+        rows = self._handoff.publish(key, header, shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
-        return self._result(header, None if shares is None else shares[0], metrics, got)
+        return self._result(header, rows, metrics, got)
 
     def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
         t0, future = self._pending.pop(step)
@@ -368,7 +385,7 @@ class RolloutSource:
                 header["turns"] = int(r.turn_index_BT.max()) + 1
                 # the lag against the weights being trained (the engine's version is the learner's: a
                 # sync follows every update): 0 in synchronous training, 1 with trainer.async=one_step
-                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT,
+                metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT,
                                                   current=self.service.weight_version)
                 metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
         metrics["time/rollout"] = time.perf_counter() - t0
