@@ -1,6 +1,6 @@
 """Weight sync into N fake SGLang servers on CPU (gloo), at PP=1 and PP=2, in one run.
 
-    python bench/bench_weight_sync.py [--servers 2] [--hidden 256] [--layers 8] [--reps 3]
+    python bench/bench_weight_sync.py [--servers 2] [--hidden 256] [--layers 8] [--reps 5]
                                       [--bucket-mb 16] [--threads 1]
 
 The servers are the test suite's fake SGLang server processes
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--receiver", help=argparse.SUPPRESS)

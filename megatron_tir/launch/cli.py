@@ -88,6 +88,7 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
     if cluster is not None:
         where = args.cluster or f"{args.resume}/{LAUNCH_RECORD}"
         check_layout(cluster, layout, where=where)
+        _check_overlap(args, cluster, where)
         _check_capacity(args, cluster, where)
     elif args.emit_sbatch:
         raise ValueError("--emit-sbatch is for --executor slurm")
@@ -96,6 +97,18 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
     spec = RunSpec(recipe=recipe, layout=layout, run_dir=run_dir, resume=bool(args.resume),
                    overrides=tuple(args.overrides))
     return executor, spec, cluster
+
+
+def _check_overlap(args, cluster: Cluster, where: str) -> None:
+    """The trainer's refusal of asynchronous training with colocated engines, before the job is queued."""
+    from megatron_tir.launch.layout import train_config
+
+    cfg = train_config(recipe=None if args.resume else args.recipe, run_dir=args.resume, overrides=args.overrides)
+    mode = cfg.trainer.asynchrony.mode
+    if cluster.sglang.colocated and mode != "off":
+        raise ValueError(f"trainer.async={mode} cannot overlap with colocated SGLang servers ({where}: sglang.nodes "
+                         f"0 sets engine.colocated=true): generation and training share the GPUs (give SGLang its own "
+                         f"nodes, or trainer.async=off)")
 
 
 def _check_capacity(args, cluster: Cluster, where: str) -> None:

@@ -57,8 +57,9 @@ from megatron_tir.policy.weights import bucket_layout, hf_buckets, load_hf_weigh
 log = logging.getLogger(__name__)
 
 # report keys of the learner's own (not metrics): what a micro-batch counts towards the aggregation's
-# denominator after a loss's ``KEEP_METRIC`` (kept tokens / rows), or, without one, before it
-_KEPT, _UNFILTERED = "\0kept", "\0unfiltered"
+# denominator after a loss's ``KEEP_METRIC`` (kept tokens / rows), or, without one, before it; and before
+# it in any case (the stages that hold no loss mask learn the step's count from it)
+_KEPT, _UNFILTERED, _TOTAL = "\0kept", "\0unfiltered", "\0total"
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSource:
@@ -201,12 +202,15 @@ class Learner:
                                  dp_rank=parallel_state.get_data_parallel_rank() if dealt else 0,
                                  dp_size=parallel_state.get_data_parallel_world_size() if dealt else 1)
 
-    def _run(self, micro_batches: list[MicroBatch], tokens_BT: torch.Tensor, loss_for, *, forward_only: bool,
+    def _run(self, micro_batches: list[MicroBatch], tokens_BT: torch.Tensor | None, loss_for, *, forward_only: bool,
              tick: Callable[[], None] | None = None):
         """The schedule over ``micro_batches``; ``loss_for(mb, inputs)`` -> loss function of the model output;
-        ``tick()`` after each micro-batch's forward (a progress bar)."""
+        ``tick()`` after each micro-batch's forward (a progress bar). ``tokens_BT`` None (a stage that
+        does not read them): each micro-batch's ``input_ids`` are a zero-stride stand-in of its shape."""
         device = next(self._model.parameters()).device
-        items = [(mb, mb.pack(tokens_BT).to(device)) for mb in micro_batches]
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        items = [(mb, mb.pack(tokens_BT).to(device) if tokens_BT is not None else zero.expand(len(mb.rows), mb.length))
+                 for mb in micro_batches]
         it = iter(items)
 
         def forward_step(data_iterator, model):
@@ -223,36 +227,53 @@ class Learner:
                                 micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only)
 
     @staticmethod
-    def _check_batch(tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> None:
+    def _check_batch(tokens_BT: torch.Tensor | None, attention_mask_BT: torch.Tensor, *, local_rows: bool) -> None:
+        from megatron.core import parallel_state
+
+        if tokens_BT is None:  # only a stage that does not read them may leave them out (see train_step)
+            if not local_rows or parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage():
+                raise ValueError("tokens_BT is None, but this pipeline stage reads them (the first stage's "
+                                 "embedding, the last stage's labels)")
+            if attention_mask_BT.dim() != 2:
+                raise ValueError(f"attention_mask_BT must be [B, T], got {tuple(attention_mask_BT.shape)}")
+            return
         if tokens_BT.dim() != 2 or tuple(attention_mask_BT.shape) != tuple(tokens_BT.shape):
             raise ValueError(f"tokens_BT {tuple(tokens_BT.shape)} and attention_mask_BT "
                              f"{tuple(attention_mask_BT.shape)} must be the same [B, T] shape")
 
-    def _check_vocab(self, tokens_BT: torch.Tensor) -> None:
+    def _check_vocab(self, tokens_BT: torch.Tensor | None) -> None:
+        if tokens_BT is None:
+            return
         if tokens_BT.numel() and (int(tokens_BT.min()) < 0 or int(tokens_BT.max()) >= self.spec.vocab_size):
             raise ValueError(f"token ids outside the vocabulary [0, {self.spec.vocab_size})")
 
     @staticmethod
     def _gather_rows(out_BT: torch.Tensor, contributes: bool, local_rows: bool) -> torch.Tensor:
-        """Every rank gets the full ``[B, T]``: each row is filled by one (last stage, TP rank 0) rank
-        of the world, or (``local_rows``) of this rank's model-parallel group."""
+        """The full ``[B, T]``: each row is filled by one (last stage, TP rank 0) rank of the world and
+        every rank gets it, or (``local_rows``) by this replica's last stage's TP rank 0 and only that
+        stage's TP ranks get it (the other stages do not read it)."""
         from megatron.core import parallel_state
 
         if not contributes:
             out_BT.zero_()
-        torch.distributed.all_reduce(out_BT, group=parallel_state.get_model_parallel_group() if local_rows else None)
+        if local_rows:
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                torch.distributed.all_reduce(out_BT, group=parallel_state.get_tensor_model_parallel_group())
+        else:
+            torch.distributed.all_reduce(out_BT)
         return out_BT
 
-    def forward(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, output_fn: OutputFn,
+    def forward(self, tokens_BT: torch.Tensor | None, attention_mask_BT: torch.Tensor, output_fn: OutputFn,
                 names: tuple[str, ...], *, local_rows: bool = False,
-                tick: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+                tick: Callable[[], None] | None = None) -> dict[str, torch.Tensor | None]:
         """``{name: [B, T] float32}`` for each of ``names``: what ``output_fn(model output, inputs)``
         returns per token for each micro-batch (0 on padding), on every rank. Forward only. Collective.
-        ``local_rows``: the rows are this data-parallel replica's only (see ``train_step``); ``tick()``
-        is called after each micro-batch's forward (progress)."""
+        ``local_rows``: the rows are this data-parallel replica's only, as a stage reads them (see
+        ``train_step``), and the outputs come back on the last pipeline stage only (None on the
+        others: they do not read them); ``tick()`` is called after each micro-batch's forward (progress)."""
         from megatron.core import parallel_state
 
-        self._check_batch(tokens_BT, attention_mask_BT)
+        self._check_batch(tokens_BT, attention_mask_BT, local_rows=local_rows)
         self._check_vocab(tokens_BT)
         micro_batches = self._micro_batches(attention_mask_BT, local_rows)
         device = next(self._model.parameters()).device
@@ -271,8 +292,11 @@ class Learner:
         self._model.eval()
         with torch.no_grad():
             results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True, tick=tick)
-        contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-        outs = {n: torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device) for n in names}
+        last = parallel_state.is_pipeline_last_stage()
+        if local_rows and not last:
+            return dict.fromkeys(names)
+        contributes = last and parallel_state.get_tensor_model_parallel_rank() == 0
+        outs = {n: torch.zeros(attention_mask_BT.shape, dtype=torch.float32, device=device) for n in names}
         if contributes:
             for mb, res in zip(micro_batches, results):
                 if mb.weight:
@@ -281,20 +305,21 @@ class Learner:
         stacked = self._gather_rows(torch.stack([outs[n] for n in names]), contributes, local_rows).cpu()  # one host read
         return dict(zip(names, stacked))
 
-    def logprobs(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, temperature: float = 1.0,
+    def logprobs(self, tokens_BT: torch.Tensor | None, attention_mask_BT: torch.Tensor, *, temperature: float = 1.0,
                  with_entropy: bool = False, local_rows: bool = False,
                  tick: Callable[[], None] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The policy's ``[B, T]`` float32: column t = log p(token t | tokens < t) under ``logits /
         temperature``; 0 at each row's first token and on padding. With ``with_entropy`` also the
-        ``[B, T]`` entropy of the distribution that predicted each token (same columns). Collective."""
+        ``[B, T]`` entropy of the distribution that predicted each token (same columns). Collective.
+        ``local_rows``: as in ``forward`` (None past the last stage)."""
         if self.value_head:
             raise ValueError("a critic (learner.head=value) has no log-probs: use values()")
         output_fn = TokenOutputs(temperature=temperature, with_entropy=with_entropy)
         out = self.forward(tokens_BT, attention_mask_BT, output_fn, output_fn.names, local_rows=local_rows, tick=tick)
         return (out["logprobs"], out["entropy"]) if with_entropy else out["logprobs"]
 
-    def values(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *,
-               local_rows: bool = False) -> torch.Tensor:
+    def values(self, tokens_BT: torch.Tensor | None, attention_mask_BT: torch.Tensor, *,
+               local_rows: bool = False) -> torch.Tensor | None:
         """A critic's ``[B, T]`` float32 values, aligned as the log-probs: column t = V(tokens < t),
         the value of the state in which token t was sampled; 0 at each row's first token and on
         padding. Collective. ``local_rows``: as in ``forward``."""
@@ -327,35 +352,43 @@ class Learner:
         ``local_rows``: ``batch`` holds only this data-parallel replica's rows (the caller dealt
         them; every rank of a replica passes the same rows, at least one, loss mask 0 allowed);
         the aggregation's token / row count is summed over the replicas, so the update is the
-        one of the whole mini-batch."""
+        one of the whole mini-batch. A pipeline stage then needs only what it reads: past the first
+        stage ``tokens_BT`` may be None (the embedding runs on the first stage), before the last
+        ``loss_mask_BT`` may be None and ``extras`` empty (megatron-core runs the loss on the last
+        stage only); the token / row count reaches those stages with the micro-batch reports."""
         from megatron.core import parallel_state
 
         if self.frozen:
             raise ValueError("a frozen learner does not train (it has no gradients and no optimizer)")
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
-        self._check_batch(batch.tokens_BT, batch.attention_mask_BT)
+        self._check_batch(batch.tokens_BT, batch.attention_mask_BT, local_rows=local_rows)
         self._check_vocab(batch.tokens_BT)
+        if batch.loss_mask_BT is None and (not local_rows or parallel_state.is_pipeline_last_stage()):
+            raise ValueError("loss_mask_BT is None, but this pipeline stage computes the loss (the last stage)")
         t0 = time.perf_counter()
         attn_BT = batch.attention_mask_BT.bool()
-        loss_mask_BT = batch.loss_mask_BT.float() * attn_BT
-        row_tokens_B = loss_mask_BT.sum(dim=1)
-        # token_mean: each loss token weighs 1 / (loss tokens); seq_mean: 1 / (row's tokens x rows with tokens)
-        per_token_BT = loss_mask_BT if aggregation == "token_mean" else loss_mask_BT / row_tokens_B.clamp(min=1.0)[:, None]
-        total = float(row_tokens_B.sum()) if aggregation == "token_mean" else float((row_tokens_B > 0).sum())
-        if local_rows and parallel_state.get_data_parallel_world_size() > 1:  # the count over every replica's rows
-            count = torch.tensor([total], dtype=torch.float64, device=next(self._model.parameters()).device)
-            torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
-            total = float(count.item())
-        weight_BT = per_token_BT / max(total, 1.0)
-        if total == 0:
-            raise ValueError("loss_mask_BT selects no tokens: nothing to train on")
         micro_batches = self._micro_batches(attn_BT, local_rows)
         device = next(self._model.parameters()).device
         # the schedule divides each micro-batch's loss by their number and DDP averages over replicas
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
+        if batch.loss_mask_BT is not None:
+            loss_mask_BT = batch.loss_mask_BT.float() * attn_BT
+            row_tokens_B = loss_mask_BT.sum(dim=1)
+            # token_mean: each loss token weighs 1 / (loss tokens); seq_mean: 1 / (row's tokens x rows with tokens)
+            per_token_BT = loss_mask_BT if aggregation == "token_mean" else loss_mask_BT / row_tokens_B.clamp(min=1.0)[:, None]
+            total = float(row_tokens_B.sum()) if aggregation == "token_mean" else float((row_tokens_B > 0).sum())
+            if local_rows and parallel_state.get_data_parallel_world_size() > 1:  # the count over every replica's rows
+                count = torch.tensor([total], dtype=torch.float64, device=device)
+                torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+                total = float(count.item())
+            weight_BT = per_token_BT / max(total, 1.0)
+            if total == 0:
+                raise ValueError("loss_mask_BT selects no tokens: nothing to train on")
 
         def loss_for(mb: MicroBatch, tokens_bL: torch.Tensor):
+            if batch.loss_mask_BT is None:
+                return _no_loss_here
             weight_bL = mb.pack(weight_BT).to(device) * mb.weight
             inputs = LossInputs(tokens_bL=tokens_bL, mask_bL=mb.mask().to(device),
                                 extras={k: mb.pack(v).to(device) for k, v in batch.extras.items()})
@@ -367,11 +400,13 @@ class Learner:
                                      f"expected per-token {tuple(tokens_bL.shape)}")
                 keep_bL = metrics.get(KEEP_METRIC)
                 mask_bL = mb.pack(loss_mask_BT).to(device) * mb.weight
+                denominator = _denominator(mask_bL, aggregation)
                 if keep_bL is None:
-                    w_bL, counts = weight_bL, {_UNFILTERED: _denominator(mask_bL, aggregation)}
+                    w_bL, counts = weight_bL, {_UNFILTERED: denominator}
                 else:
                     w_bL, kept = _kept_weights(weight_bL, mask_bL, keep_bL.detach().float(), aggregation)
                     counts = {_KEPT: kept}
+                counts[_TOTAL] = denominator
                 loss = (loss_bL * w_bL).sum()
                 report = {"loss": loss.detach().clone()} | counts
                 for name, m_bL in metrics.items():
@@ -385,6 +420,7 @@ class Learner:
         reports = self._run(micro_batches, batch.tokens_BT, loss_for, forward_only=False)
         t_fb = time.perf_counter()
         totals = self._sum_reports(reports)
+        total = totals.pop(_TOTAL, 0.0)  # the same count as above, now on every stage
         unfiltered = totals.pop(_UNFILTERED, 0.0)
         kept = totals.pop(_KEPT, None)
         if kept is not None:  # a loss dropped tokens in the forward: their share leaves the denominator
@@ -396,7 +432,7 @@ class Learner:
         skipped = not self._grads_finite()
         if kept is not None and kept <= 0 and not skipped:  # every token dropped: nothing to train on
             grad_norm, lr = 0.0, self.lr
-            log.warning("no optimizer step: the loss kept none of the %d loss tokens", int(row_tokens_B.sum()))
+            log.warning("no optimizer step: the loss kept none of the %d loss tokens", int(total))
         elif skipped:
             grad_norm, lr = float("nan"), self.lr
             log.warning("step skipped: non-finite gradients (loss %.4g)", totals.get("loss", float("nan")))
@@ -484,6 +520,10 @@ class Learner:
     def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``named_hf_buckets`` without the stages."""
         return (tensors for _, tensors in self.named_hf_buckets(bucket_bytes))
+
+
+def _no_loss_here(output):
+    raise AssertionError("megatron-core runs the loss on the last pipeline stage only")
 
 
 def _denominator(mask_bL: torch.Tensor, aggregation: str) -> torch.Tensor:

@@ -45,26 +45,29 @@ TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tenso
 
 @dataclass(kw_only=True, slots=True)
 class TrainBatch:
-    """One mini-batch of rows, the same on every rank.
+    """One mini-batch of rows, the same on every rank (of a data-parallel replica, with ``local_rows``).
 
     ``attention_mask_BT`` marks each row's tokens (one contiguous span; padding on either
     side); ``loss_mask_BT`` (float) says which tokens are trained (the trainer has already
     applied the row roles of megatron_tir.rl.rows); ``extras`` are row-aligned tensors
     (``[B]`` or ``[B, T]``: old log-probs, advantages, ...) handed to ``loss_fn`` per micro-batch.
+    A pipeline stage that does not read them may hold ``tokens_BT`` / ``loss_mask_BT`` None
+    (``Learner.train_step`` with ``local_rows``).
     """
 
-    tokens_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor
+    tokens_BT: torch.Tensor | None
+    loss_mask_BT: torch.Tensor | None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.tokens_BT.dim() != 2:
-            raise ValueError(f"tokens_BT must be [B, T], got shape {tuple(self.tokens_BT.shape)}")
-        shape = tuple(self.tokens_BT.shape)
-        for name in ("attention_mask_BT", "loss_mask_BT"):
-            if tuple(getattr(self, name).shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, tokens_BT {shape}")
+        if self.attention_mask_BT.dim() != 2:
+            raise ValueError(f"attention_mask_BT must be [B, T], got shape {tuple(self.attention_mask_BT.shape)}")
+        shape = tuple(self.attention_mask_BT.shape)
+        for name in ("tokens_BT", "loss_mask_BT"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, attention_mask_BT {shape}")
         for name, t in self.extras.items():
             if t.shape[0] != shape[0] or (t.dim() == 2 and tuple(t.shape) != shape) or t.dim() > 2:
                 raise ValueError(f"extras[{name!r}] has shape {tuple(t.shape)}; expected [{shape[0]}] or {list(shape)}")

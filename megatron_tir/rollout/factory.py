@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, PauseMode, SamplingParams
 from megatron_tir.rollout.sandbox import ClusterSandbox, Sandbox
 from megatron_tir.rollout.sync.base import WeightSync
 from sandbox_cluster.protocol import Status
@@ -124,25 +124,28 @@ def syncs_per_stage(cfg: EngineConfig) -> bool:
     return cfg.kind == "sglang" and not cfg.colocated
 
 
-def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine) -> WeightSync:
+def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine, *,
+                      pause_mode: PauseMode = PauseMode.ABORT) -> WeightSync:
     """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``) on the rank holding
     it; ``await sync.start()`` before the first ``update``, on the engine's event loop. (The
     trainer uses the per-stage sync where :func:`syncs_per_stage`; this one serves single-process
-    callers there.)"""
+    callers there.) ``pause_mode``: what a sync does with requests in flight (``retract``: they
+    wait and continue under the new weights, ``trainer.async=full``)."""
     if cfg.kind == "local":
         from megatron_tir.rollout.sync.local import LocalWeightSync
 
-        return LocalWeightSync(engine)
+        return LocalWeightSync(engine, pause_mode=pause_mode)
     from megatron_tir.rollout.sync import sglang as ws
 
     if cfg.colocated:
-        return ws.TensorWeightSync(engine)
+        return ws.TensorWeightSync(engine, pause_mode=pause_mode)
     import socket
 
     from megatron_tir.ports import free_port
 
     return ws.DistributedWeightSync(engine, ws.DistributedWeightSyncConfig(master_address=socket.getfqdn(),
-                                                                           master_port=free_port()))
+                                                                           master_port=free_port(),
+                                                                           pause_mode=pause_mode))
 
 
 @contextlib.contextmanager

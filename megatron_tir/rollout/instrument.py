@@ -66,3 +66,40 @@ class InstrumentedEngine:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+class EngineActivity:
+    """A pass-through engine wrapper that only measures: how long at least one request was in
+    flight (``busy_s()``, cumulative since start), from which a caller derives the engine's idle
+    share over any window. A request retracted by a weight sync stays in flight (it waits in
+    the engine's queue). Use it from the engine's event loop; ``busy_s`` may be read from any thread."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.eos_token_ids = engine.eos_token_ids
+        self._in_flight = 0
+        self._since: float | None = None  # start of the current busy span
+        self._busy = 0.0  # closed busy spans
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if self._in_flight == 0:
+            self._since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            return await self.engine.generate(prompt_ids, params)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy += time.perf_counter() - self._since
+                self._since = None
+
+    def busy_s(self) -> float:
+        since = self._since
+        return self._busy + (time.perf_counter() - since if since is not None else 0.0)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def close(self) -> None:
+        await self.engine.close()

@@ -60,6 +60,12 @@ class StalenessBound:
         assert self.running > 0, "abandoned() without a running group"
         self.running -= 1
 
+    def reclaim(self) -> None:
+        """An accepted group leaves untrained (dropped for staleness): its slot is free again, so
+        drops cannot starve admission."""
+        assert self.accepted > 0, "reclaim() without an accepted group"
+        self.accepted -= 1
+
     def fresh_enough(self, oldest_version: int, version: int) -> bool:
         """May a group whose oldest token has ``oldest_version`` train the update from ``version``?
         Counts the refusals in ``dropped``."""

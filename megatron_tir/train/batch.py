@@ -10,8 +10,9 @@ On rank 0 (:class:`~megatron_tir.train.rollout_source.RolloutSource`):
    with its mini-batch; rows no mode trains go no further (no log-probs are computed for them);
 3. :func:`deal_rows` -- each data-parallel replica's share of every mini-batch.
 
-On every rank, with its share: :func:`build_update` (old log-probs in, the low-prob token
-filter, the ``TrainBatch``) and :func:`mini_batches`.
+On every rank, with its share (what its pipeline stage reads: :func:`stage_fields`):
+:func:`build_update` where the loss is computed (old log-probs in, the low-prob token filter,
+the ``TrainBatch``), :func:`stage_update` on the other stages, and :func:`mini_batches`.
 """
 
 from __future__ import annotations
@@ -99,23 +100,26 @@ def filter_groups(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: 
 
 @dataclass(kw_only=True, slots=True)
 class TrainRows:
-    """Rows that are trained, with everything a rank needs to train them (row-aligned tensors)."""
-    tokens_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor  # the row roles applied: 1 on the model tokens that get gradient
-    engine_logprobs_BT: torch.Tensor
-    advantages_BT: torch.Tensor  # 0 with a critic (GAE fills them in: megatron_tir.train.critic_update)
-    rewards_B: torch.Tensor  # the rows' outcome rewards (the critic's token rewards)
-    versions_BT: torch.Tensor  # long: weight version that sampled each loss token, -1 elsewhere
-    turn_index_BT: torch.Tensor  # long: turn index of each model token, -1 elsewhere
+    """Rows that are trained, with everything a rank needs to train them (row-aligned tensors).
+
+    A pipeline stage reads only part of them (:func:`stage_fields`): the rows a rank receives
+    from the rollout source hold ``None`` in the fields its stage does not read."""
+    attention_mask_BT: torch.Tensor  # bool; each row's tokens are columns 0 .. length - 1 (right padding)
     mini_batch_B: torch.Tensor  # long: the mini-batch (0..n-1) the row belongs to
+    tokens_BT: torch.Tensor | None = None
+    loss_mask_BT: torch.Tensor | None = None  # the row roles applied: 1 on the model tokens that get gradient
+    engine_logprobs_BT: torch.Tensor | None = None
+    advantages_BT: torch.Tensor | None = None  # 0 with a critic (GAE fills them in: megatron_tir.train.critic_update)
+    rewards_B: torch.Tensor | None = None  # the rows' outcome rewards (the critic's token rewards)
+    turn_index_BT: torch.Tensor | None = None  # long: turn index of each model token, -1 elsewhere
 
     @property
     def batch_size(self) -> int:
-        return self.tokens_BT.shape[0]
+        return self.attention_mask_BT.shape[0]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields this rank holds (None ones left out)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     def select(self, index: Sequence[int]) -> TrainRows:
         """The rows ``index`` (in that order), right padding cut to their longest row."""
@@ -132,19 +136,57 @@ class TrainRows:
         one.mini_batch_B = torch.tensor([mini_batch])
         return one
 
+    def for_stage(self, *, first: bool, last: bool) -> dict[str, torch.Tensor]:
+        """What a pipeline stage receives of these rows (:func:`stage_fields`); a middle stage gets the
+        row lengths in place of the attention mask (its micro-batch shapes: ``from_stage`` rebuilds it)."""
+        out = {name: getattr(self, name) for name in stage_fields(first=first, last=last)}
+        if not (first or last):  # its spans are its lengths (right padding): nothing per token travels
+            del out["attention_mask_BT"]
+            lengths_B = self.attention_mask_BT.sum(1)
+            assert torch.equal(self.attention_mask_BT, _right_padded(lengths_B, self.attention_mask_BT.shape[1])), \
+                "trained rows are right-padded"
+            out["lengths_B"] = lengths_B
+        return out
+
+    @staticmethod
+    def from_stage(received: dict[str, torch.Tensor], T: int) -> TrainRows:
+        """The rows of what ``for_stage`` sent (``T``: the rows' padded length)."""
+        received = dict(received)
+        if "lengths_B" in received:
+            received["attention_mask_BT"] = _right_padded(received.pop("lengths_B"), T)
+        return TrainRows(**received)
+
     @staticmethod
     def cat(parts: Sequence[TrainRows]) -> TrainRows:
-        T = max(p.tokens_BT.shape[1] for p in parts)
+        T = max(p.attention_mask_BT.shape[1] for p in parts)
 
         def pad(name: str, v: torch.Tensor) -> torch.Tensor:
             if v.dim() == 1:
                 return v
             return torch.nn.functional.pad(v, (0, T - v.shape[1]), value=_PAD.get(name, 0))
-        return TrainRows(**{f.name: torch.cat([pad(f.name, getattr(p, f.name)) for p in parts])
-                            for f in fields(TrainRows)})
+        return TrainRows(**{name: torch.cat([pad(name, p.tensors()[name]) for p in parts])
+                            for name in parts[0].tensors()})
 
 
-_PAD = {"versions_BT": -1, "turn_index_BT": -1}  # what a padding column holds (0 elsewhere)
+def stage_fields(*, first: bool, last: bool) -> tuple[str, ...]:
+    """The :class:`TrainRows` fields a pipeline stage reads: every stage the rows' spans and
+    mini-batches (the micro-batch shapes of the pipeline schedule's sends and receives), the first
+    stage the token ids (its embedding; megatron-core's GPTModel reads ``input_ids`` there only),
+    the last stage everything its loss reads (token ids as labels, masks, log-probs, advantages,
+    rewards, turns); with one stage, all of them."""
+    names = ["attention_mask_BT", "mini_batch_B"]
+    if first or last:
+        names.append("tokens_BT")
+    if last:
+        names += ["loss_mask_BT", "engine_logprobs_BT", "advantages_BT", "rewards_B", "turn_index_BT"]
+    return tuple(names)
+
+
+def _right_padded(lengths_B: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.arange(T).unsqueeze(0) < lengths_B.unsqueeze(1)
+
+
+_PAD = {"turn_index_BT": -1}  # what a padding column holds (0 elsewhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,6 +196,7 @@ class UpdatePlan:
     stats_B: torch.Tensor  # of every collated row: in the advantage statistics
     trained_B: torch.Tensor  # of every collated row: some token of it gets gradient (= rows)
     advantages_B: torch.Tensor  # of every collated row: mean advantage over its model tokens
+    versions_BT: torch.Tensor  # of the trained rows: weight version that sampled each loss token (rank 0's metrics)
 
 
 def plan_update(rt: RolloutTensors, *, mode: str, advantage: str | None, overlong: str,
@@ -179,9 +222,10 @@ def plan_update(rt: RolloutTensors, *, mode: str, advantage: str | None, overlon
         mini_batch_B[torch.isin(groups, chunk)] = k
     rows = TrainRows(tokens_BT=rt.tokens_BT[trained_B], attention_mask_BT=rt.attention_mask_BT[trained_B],
                      loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rt.engine_logprobs_BT[trained_B],
-                     advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B], versions_BT=rt.versions_BT[trained_B],
+                     advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B],
                      turn_index_BT=rt.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
-    return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B)
+    return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B,
+                      versions_BT=rt.versions_BT[trained_B])
 
 
 def deal_rows(rows: TrainRows, dp_size: int) -> list[TrainRows]:
@@ -238,6 +282,13 @@ def with_behaviour_weights(batch: TrainBatch, behaviour_logprobs_BT: torch.Tenso
                       extras=extras), stats
 
 
+def stage_update(rows: TrainRows) -> Update:
+    """The update of a pipeline stage that does not compute the loss (its rows hold no loss mask):
+    the rows' spans and, on the first stage, their token ids."""
+    return Update(batch=TrainBatch(tokens_BT=rows.tokens_BT, attention_mask_BT=rows.attention_mask_BT,
+                                   loss_mask_BT=None), mini_batch_B=rows.mini_batch_B, low_prob_masked=0)
+
+
 def mini_batches(update: Update, n: int) -> list[TrainBatch]:
     """The ``n`` mini-batches of ``update`` (by the rows' ``mini_batch_B``; rows of ones past the last
     group are none: a plan of fewer groups than ``n`` has fewer mini-batches)."""
@@ -247,8 +298,10 @@ def mini_batches(update: Update, n: int) -> list[TrainBatch]:
         rows = update.mini_batch_B == k
         if not bool(rows.any()):
             break
-        out.append(TrainBatch(tokens_BT=b.tokens_BT[rows], attention_mask_BT=b.attention_mask_BT[rows],
-                              loss_mask_BT=b.loss_mask_BT[rows], extras={k: v[rows] for k, v in b.extras.items()}))
+        out.append(TrainBatch(tokens_BT=None if b.tokens_BT is None else b.tokens_BT[rows],
+                              attention_mask_BT=b.attention_mask_BT[rows],
+                              loss_mask_BT=None if b.loss_mask_BT is None else b.loss_mask_BT[rows],
+                              extras={k: v[rows] for k, v in b.extras.items()}))
     return out
 
 

@@ -52,7 +52,8 @@ _LEARNER_NAME = re.compile(r"[a-z][a-z0-9_]*")
 @dataclass(kw_only=True, slots=True)
 class TrainerState:
     step: int = 0  # steps completed
-    data_position: int = 0  # prompts drawn from the training stream
+    data_position: int = 0  # prompts drawn from the training stream (trainer.async=full: the first not consumed)
+    data_consumed_ahead: list[int] = field(default_factory=list)  # full: positions past it already consumed
     metrics_offset: int = 0  # bytes of metrics.jsonl written when the state was saved
     overrides: list[dict] = field(default_factory=list)  # {"step", "key", "value"}: when each took effect
     schedule_switched_at: int | None = None  # step the turn schedule switched the budgets

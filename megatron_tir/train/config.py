@@ -36,7 +36,7 @@ from megatron_tir.tir import PromptConfig
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
 DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
 OLD_LOGPROBS = ("learner", "engine")
-ASYNC_MODES = ("off", "one_step")
+ASYNC_MODES = ("off", "one_step", "full")
 ASYNC_KEY = "trainer.async"  # the CLI spelling of trainer.asynchrony (``async`` is a Python keyword)
 
 
@@ -169,8 +169,11 @@ class AsyncConfig:
     ``pi_prox / pi_engine`` per token, the engine's log-probs of the tokens it sampled being the
     behaviour policy's."""
     # off | one_step (rollouts of step N + 1 run while step N trains, the sync after they finish: every
-    # group from one weight version, one behind the learner; step 1 is on-policy)
+    # group from one weight version, one behind the learner; step 1 is on-policy) | full (rollouts never stop:
+    # groups admitted through the staleness bound, syncs retract requests in flight and they continue under the
+    # new weights; megatron_tir.train.group_producer)
     mode: str = "off"
+    max_staleness: int = 1  # full: eta, in policy versions (megatron_tir.rollout.staleness.StalenessBound)
     correction: str = "clamp"  # clamp (truncated IS, min(w, cap)) | mask (tokens with w > cap leave the loss) | off (w = 1)
     cap: float = 2.0  # C of the behaviour weight
 
@@ -183,6 +186,8 @@ class AsyncConfig:
             raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
         if not self.cap >= 1:
             raise ValueError(f"cap must be >= 1, got {self.cap}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,9 +248,10 @@ class TrainConfig:
         if self.critic.kl_reward_coef > 0 and self.trainer.ppo.advantage != "gae":
             raise ValueError("critic.kl_reward_coef (KL in the reward) needs trainer.ppo.advantage=gae; "
                              "trainer.loss.kl_coef is the KL loss for the other estimators")
-        if self.trainer.asynchrony.mode == "one_step" and self.engine.colocated:
-            raise ValueError("trainer.async=one_step cannot overlap with engine.colocated=true: generation and "
-                             "training share the GPUs (run the engines on their own GPUs, or trainer.async=off)")
+        if self.trainer.asynchrony.mode != "off" and self.engine.colocated:  # one_step and full overlap the two
+            raise ValueError(f"trainer.async={self.trainer.asynchrony.mode} cannot overlap with engine.colocated=true: "
+                             f"generation and training share the GPUs (colocated engines free their memory for "
+                             f"training; run the engines on their own GPUs, or trainer.async=off)")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
-from megatron_tir.rl.critic import explained_variance, gae_BT, token_rewards_BT
+from megatron_tir.rl.critic import gae_BT, token_rewards_BT
+from megatron_tir.train.row_stats import RowStats
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,13 +87,15 @@ def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, loc
     return ((x_BT - mean) * torch.rsqrt(var + eps) * m).float()
 
 
-def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, critic, cfg: CriticConfig, *,
+def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, values_BT: torch.Tensor, cfg: CriticConfig, *,
                    model_mask_BT: torch.Tensor, behaviour_BT: torch.Tensor | None = None,
-                   ref_BT: torch.Tensor | None = None, local_rows: bool = False) -> tuple[TrainBatch, dict[str, float]]:
+                   ref_BT: torch.Tensor | None = None, local_rows: bool = False) -> tuple[TrainBatch, RowStats]:
     """``batch`` (the update's rows) with GAE ``advantages_BT``, ``returns_BT`` and
-    ``old_values_BT`` in its extras, and the metrics. ``model_mask_BT``: the rows' model-token
-    mask (before any token filter: the MDP's steps); ``rewards_B`` the rows' outcome rewards."""
-    values_BT = critic.values(batch.tokens_BT, batch.attention_mask_BT, local_rows=local_rows) * model_mask_BT
+    ``old_values_BT`` in its extras, and the metrics' sums (:func:`critic_metrics` finishes them,
+    after :func:`~megatron_tir.train.row_stats.reduce_over_replicas` with ``local_rows``).
+    ``values_BT``: the critic's values of the rows; ``model_mask_BT``: the rows' model-token mask
+    (before any token filter: the MDP's steps); ``rewards_B`` the rows' outcome rewards."""
+    values_BT = values_BT * model_mask_BT
     if cfg.kl_reward_coef > 0 and (behaviour_BT is None or ref_BT is None):
         raise ValueError("critic.kl_reward_coef > 0 needs the behaviour and the reference log-probs")
     rewards_BT = token_rewards_BT(rewards_B, model_mask_BT, logprobs_BT=behaviour_BT, ref_logprobs_BT=ref_BT,
@@ -104,18 +107,35 @@ def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, critic, cfg: Crit
                   old_values_BT=values_BT)
     on = model_mask_BT > 0
     correct = (rewards_B > 0)[:, None].expand_as(on) & on
-    metrics = {
-        "critic/explained_variance": float(explained_variance(values_BT, returns_BT, model_mask_BT)),
-        "critic/value_mean": float(values_BT[on].mean()) if on.any() else 0.0,
-        "critic/value_mean_correct": float(values_BT[correct].mean()) if correct.any() else float("nan"),
-        "critic/value_mean_wrong": float(values_BT[on & ~correct].mean()) if (on & ~correct).any() else float("nan"),
-        "critic/return_mean": float(returns_BT[on].mean()) if on.any() else 0.0,
-        "critic/kl_in_reward": float(cfg.kl_reward_coef > 0),
-    }
+    stats = RowStats(maxima={"critic/kl_in_reward": float(cfg.kl_reward_coef > 0)})
+    ret, err = returns_BT.float()[on], (returns_BT.float() - values_BT.float())[on]
+    for name, values in (("critic/value_mean", values_BT[on]), ("critic/value_mean_correct", values_BT[correct]),
+                         ("critic/value_mean_wrong", values_BT[on & ~correct]), ("critic/return_mean", ret),
+                         ("\0ret2", ret * ret), ("\0err", err), ("\0err2", err * err)):
+        stats.add_mean(name, values)
     if cfg.kl_reward_coef > 0:
-        metrics["critic/kl_k1_mean"] = float(((behaviour_BT - ref_BT) * model_mask_BT).sum() / on.sum().clamp(min=1))
+        stats.add_mean("critic/kl_k1_mean", (behaviour_BT - ref_BT)[on])
     return TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
-                      loss_mask_BT=batch.loss_mask_BT, extras=extras), metrics
+                      loss_mask_BT=batch.loss_mask_BT, extras=extras), stats
+
+
+def critic_metrics(stats: RowStats) -> dict[str, float]:
+    """The critic's metrics of the whole batch from the (reduced) sums of :func:`gae_advantages`:
+    means over model tokens (of the rows with a positive / non-positive reward: NaN when there is
+    none), and the explained variance ``1 - Var[R - V] / Var[R]`` (as :func:`megatron_tir.rl.critic.explained_variance`)."""
+    if "critic/kl_in_reward" not in stats.maxima:
+        return {}
+    ret, ret2 = stats.mean("critic/return_mean"), stats.mean("\0ret2")
+    err, err2 = stats.mean("\0err"), stats.mean("\0err2")
+    var_r, var_e = max(ret2 - ret * ret, 0.0), max(err2 - err * err, 0.0)
+    out = {"critic/explained_variance": 1.0 - var_e / max(var_r, 1e-12),
+           "critic/value_mean": stats.mean("critic/value_mean"),
+           "critic/value_mean_correct": stats.mean("critic/value_mean_correct", float("nan")),
+           "critic/value_mean_wrong": stats.mean("critic/value_mean_wrong", float("nan")),
+           "critic/return_mean": ret, "critic/kl_in_reward": stats.maxima["critic/kl_in_reward"]}
+    if "critic/kl_k1_mean" in stats.means:
+        out["critic/kl_k1_mean"] = stats.mean("critic/kl_k1_mean")
+    return out
 
 
 def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, local_rows: bool = False) -> dict[str, float]:

@@ -3,7 +3,9 @@
 The training stream is a pure function of its position (prompts drawn so far): the
 generated tasks (``arithmetic``, the ``tir_mix`` family of :mod:`megatron_tir.data.tasks`)
 are indexed directly; a dataset is read in a fresh seeded
-permutation each epoch. Saving the position in a run checkpoint is enough to resume it.
+permutation each epoch. Saving the position in a run checkpoint is enough to resume it; with
+``trainer.async=full`` groups are consumed out of order, and the checkpoint also lists the
+positions past it already consumed (``skip``: never drawn again).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ ARITHMETIC = "arithmetic"
 
 
 class PromptStream:
-    def __init__(self, config: DataConfig, *, position: int = 0) -> None:
+    def __init__(self, config: DataConfig, *, position: int = 0, skip=()) -> None:
         self.config = config
         self.position = position
+        self.skip = {int(p) for p in skip if int(p) >= position}  # positions past ``position`` already consumed
         self._problems: list[Problem] | None = None
         if config.train not in (ARITHMETIC, MIX):
             from megatron_tir.data import load_problems
@@ -41,9 +44,16 @@ class PromptStream:
         return self._problems[order[offset]]
 
     def take(self, n: int) -> list[Problem]:
-        out = [self._at(self.position + i) for i in range(n)]
-        self.position += n
-        return out
+        return [self.draw()[1] for _ in range(n)]
+
+    def draw(self) -> tuple[int, Problem]:
+        """The next prompt and its position (positions in ``skip`` are passed over)."""
+        while self.position in self.skip:
+            self.skip.discard(self.position)
+            self.position += 1
+        pos = self.position
+        self.position += 1
+        return pos, self._at(pos)
 
 
 def held_out_problems(config: DataConfig) -> list[Problem]:

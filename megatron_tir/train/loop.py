@@ -29,14 +29,15 @@ from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
-from megatron_tir.train.batch import build_update, mini_batches, with_behaviour_weights
+from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update, with_behaviour_weights
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
-from megatron_tir.train.critic_update import critic_step, gae_advantages
+from megatron_tir.train.critic_update import critic_metrics, critic_step, gae_advantages
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import held_out_problems
 from megatron_tir.train.metrics import open_metrics
 from megatron_tir.train.preempt import StopSignals, agreed
 from megatron_tir.train.rollout_source import RolloutSource, StepRollouts, TrainingStopped
+from megatron_tir.train.row_stats import RowStats, reduce_over_replicas
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,11 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     if state.step == 0 and held_out:
         sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
                  | {"time/unix": time.time()})
-    one_step = tc.asynchrony.mode == "one_step"
+    one_step = tc.asynchrony.mode == "one_step"  # full: the source's producer never stops (group_producer.py)
     steps_without_update = 0
     nonfinite = 0  # consecutive steps with non-finite gradients or weights
     pending_ckpt_s, last_save = None, time.monotonic()
+    engine_mark = (time.perf_counter(), source.engine_busy_s())  # the engine idle share's window: since the last step
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
@@ -101,6 +103,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
             metrics.get("critic/warmup") == 1.0 and metrics.get("critic/skipped", 1.0) < 1.0)  # the critic learned
         steps_without_update = 0 if updated else steps_without_update + 1
         state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
+        state.data_consumed_ahead = list(got.data_consumed_ahead)
         # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
         if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
             with _timed(timings, "eval"):
@@ -111,6 +114,12 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
             waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
             metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
+        if source.rank == 0:  # the share of the step no generation request was in flight (eval included)
+            now, busy = time.perf_counter(), source.engine_busy_s()
+            if now > engine_mark[0]:
+                share = 1 - (busy - engine_mark[1]) / (now - engine_mark[0])
+                metrics["rollout/engine_idle_share"] = min(1.0, max(0.0, share))
+            engine_mark = (now, busy)
         sink.log(step, metrics | timings | {"time/unix": time.time()})
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
@@ -136,9 +145,11 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
 def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *, temperature: float,
                   reference=None, critic=None, critic_only: bool = False) -> dict[str, float]:
     """Old log-probs and the mode's token filter, then PPO epochs over mini-batches of this rank's
-    rows (every rank of the world takes the same number of optimizer steps); the train metrics.
-    With a ``critic``: GAE advantages from its values and a critic step before each policy step
-    (``critic_only``: the critic's warm-up, no policy step)."""
+    rows (every rank of the world takes the same number of optimizer steps); the train metrics,
+    of every replica's rows, on every rank. With a ``critic``: GAE advantages from its values and a
+    critic step before each policy step (``critic_only``: the critic's warm-up, no policy step).
+    A pipeline stage holds what it reads of the rows (``megatron_tir.train.batch.stage_fields``):
+    the loss inputs are prepared on the last stage only, the forward passes run on every stage."""
     tc = cfg.trainer
     if got.rows is None:
         log.warning("no group passed the filters; no update")
@@ -146,26 +157,23 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
     rows = got.rows
     with _timed(timings, "logprobs"), _phase_bar(tc.progress, "log-probs", None, unit="micro-batch") as bar:
         tick = lambda: bar.update(1)  # noqa: E731
-        if tc.ppo.old_logprobs == "learner":
+        if tc.ppo.old_logprobs == "learner":  # None past the last stage (which alone reads them)
             old_BT = learner.logprobs(rows.tokens_BT, rows.attention_mask_BT, temperature=temperature, local_rows=True,
                                       tick=tick)
         else:
             old_BT = rows.engine_logprobs_BT
         ref_BT = None if reference is None else reference.logprobs(rows.tokens_BT, rows.attention_mask_BT,
                                                                    temperature=temperature, local_rows=True, tick=tick)
-    update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
-                          ref_logprobs_BT=ref_BT)
-    critic_metrics: dict[str, float] = {}
+    values_BT = None
     if critic is not None:
         with _timed(timings, "values"):
-            update.batch, critic_metrics = gae_advantages(
-                update.batch, rows.rewards_B, critic, cfg.critic, model_mask_BT=rows.loss_mask_BT, behaviour_BT=old_BT,
-                ref_BT=ref_BT, local_rows=True)
-    correction: dict[str, float] = {}
-    if tc.asynchrony.mode != "off":  # the decoupled objective: old_BT is the proximal policy, the engine's the behaviour
-        update.batch, stats = with_behaviour_weights(update.batch, rows.engine_logprobs_BT, cap=tc.asynchrony.cap,
-                                                     mode=tc.asynchrony.correction)
-        correction = {f"offpolicy/{k}": v for k, v in stats.items()}  # this rank's rows
+            values_BT = critic.values(rows.tokens_BT, rows.attention_mask_BT, local_rows=True)
+    stats = None
+    if rows.loss_mask_BT is not None:  # this stage computes the loss
+        update, stats = _loss_batch(cfg, rows, old_BT, ref_BT, values_BT)
+    else:
+        update = stage_update(rows)
+    stats = reduce_over_replicas(stats)  # every replica's rows, on every rank
     critic_steps: list[dict[str, float]] = []
     bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
     loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=bound), n_turns=got.turns)
@@ -185,12 +193,12 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         max_ratio = torch.zeros((), device=collective_device())
     torch.distributed.all_reduce(max_ratio, op=torch.distributed.ReduceOp.MAX)
     metrics = {
-        "filter/low_prob_tokens_masked": _replica_sum(float(update.low_prob_masked)),
+        "filter/low_prob_tokens_masked": stats.totals.get("filter/low_prob_tokens_masked", 0.0),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
-    } | critic_metrics | correction
+    } | (critic_metrics(stats) if critic is not None else {}) | _offpolicy_metrics(stats)
     if critic_steps:
         metrics |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
         metrics["critic/warmup"] = float(critic_only)
@@ -201,6 +209,38 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
         metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return metrics
+
+
+def _loss_batch(cfg: TrainConfig, rows, old_BT, ref_BT, values_BT) -> tuple[Update, RowStats]:
+    """The update of the stage that computes the loss: the mode's token filter, the critic's GAE
+    advantages, the off-policy correction; the sums of their metrics over this replica's rows."""
+    tc = cfg.trainer
+    update = build_update(rows, old_BT, mode=tc.mode, low_prob_fraction=tc.filters.low_prob_fraction,
+                          ref_logprobs_BT=ref_BT)
+    stats = RowStats(totals={"filter/low_prob_tokens_masked": float(update.low_prob_masked)})
+    if values_BT is not None:
+        update.batch, critic_stats = gae_advantages(update.batch, rows.rewards_B, values_BT, cfg.critic,
+                                                    model_mask_BT=rows.loss_mask_BT, behaviour_BT=old_BT,
+                                                    ref_BT=ref_BT, local_rows=True)
+        stats = stats.merge(critic_stats)
+    if tc.asynchrony.mode != "off":  # the decoupled objective: old_BT is the proximal policy, the engine's the behaviour
+        on_BT = update.batch.loss_mask_BT > 0
+        update.batch, correction = with_behaviour_weights(update.batch, rows.engine_logprobs_BT,
+                                                          cap=tc.asynchrony.cap, mode=tc.asynchrony.correction)
+        if correction:  # the correction's means over the loss tokens (weight_mean: over the kept ones)
+            on, kept = float(on_BT.sum()), float((update.batch.loss_mask_BT > 0).sum())
+            for k, v in correction.items():
+                if k == "weight_max":
+                    stats.maxima["offpolicy/weight_max"] = v
+                else:
+                    n = kept if k == "weight_mean" else on
+                    stats.means[f"offpolicy/{k}"] = (v * n, n)
+    return update, stats
+
+
+def _offpolicy_metrics(stats: RowStats) -> dict[str, float]:
+    out = {k: stats.mean(k) for k in stats.means if k.startswith("offpolicy/")}
+    return out | {k: v for k, v in stats.maxima.items() if k.startswith("offpolicy/")}
 
 
 def _check_finite_steps(step: int, metrics: dict, before: int, limit: int) -> int:
@@ -248,13 +288,3 @@ def _progress(steps, *, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(steps, desc="train", unit="step", disable=None)  # bars only on a terminal
-
-
-def _replica_sum(value: float) -> float:
-    """``value`` summed over the data-parallel replicas (one rank per replica counts)."""
-    from megatron.core import parallel_state
-
-    mine = value if parallel_state.get_model_parallel_group().rank() == 0 else 0.0
-    t = torch.tensor([mine], dtype=torch.float64, device=collective_device())
-    torch.distributed.all_reduce(t)
-    return float(t.item())

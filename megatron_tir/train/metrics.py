@@ -63,6 +63,28 @@ def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[st
     return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
+def interruption_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[str, float]:
+    """Partial rollouts (``trainer.async=full``): a trajectory is *interrupted* when a weight sync
+    landed inside one of its model turns (the turn's tokens carry more than one weight version);
+    ``interrupted_share`` is their share, ``interrupted_spans_mean`` the mean number of version
+    spans (runs of one version) over an interrupted trajectory's model tokens, and
+    ``multi_version_share`` the share whose model tokens have more than one version at all (a sync
+    between two turns counts there, not as an interruption)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    interrupted, spans, multi = 0, 0, 0
+    for t in trajs:
+        model = [v for v in t.response_versions if v >= 0]
+        multi += len(set(model)) > 1
+        if any(len(set(t.response_versions[turn.start:turn.start + turn.model_tokens])) > 1 for turn in t.turns):
+            interrupted += 1
+            spans += 1 + sum(a != b for a, b in zip(model, model[1:]))
+    return {f"{prefix}/interrupted_share": interrupted / len(trajs),
+            f"{prefix}/interrupted_spans_mean": spans / interrupted if interrupted else 0.0,
+            f"{prefix}/multi_version_share": multi / len(trajs)}
+
+
 class MetricsSink:
     """Appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` and hands the same metrics to
     the trackers (:mod:`megatron_tir.observe.trackers`; default: TensorBoard in ``RUN_DIR/tb``). Rank 0 only."""

@@ -14,8 +14,11 @@ hand-off:
 
 * a small header (data position, turn schedule, mini-batches, shapes, or a stop cause) goes
   through the job's key-value store (the ``TCPStore`` every rank joined at start);
-* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source
-  (ranks of one data-parallel replica -- its TP / PP peers -- get the same rows).
+* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source: the
+  rows of its data-parallel replica, and of them what its pipeline stage reads
+  (:func:`~megatron_tir.train.batch.stage_fields`: the first stage the token ids, the last
+  what its loss reads, a middle stage only the rows' lengths and mini-batches -- the shapes of
+  the pipeline schedule's sends and receives); TP peers get the same.
 
 The other ranks wait for the header by polling the store, not inside a collective: no
 process-group timeout or watchdog runs out however long a round of rollouts takes. Rank 0
@@ -25,6 +28,11 @@ dead rank 0 still ends the job in bounded time.
 
 A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure
 ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
+
+``trainer.async=full``: ``submit`` starts a :class:`~megatron_tir.train.group_producer.GroupProducer`
+once (groups generated without a break under the staleness bound) and ``next`` takes the step's
+groups from it; the prompt position a checkpoint records is then the first one not consumed, with
+the consumed positions past it (``StepRollouts.data_consumed_ahead``).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
-from megatron_tir.train.metrics import rollout_metrics
+from megatron_tir.train.group_producer import GroupProducer
+from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
@@ -66,11 +75,12 @@ class StepRollouts:
     rows: TrainRows | None  # this rank's share of the trained rows; None: no row is trained this step
     mini_batches: int  # mini-batches of the update (the same on every rank)
     metrics: dict[str, float]  # rank 0: rollout and filter metrics; other ranks: {}
-    data_position: int  # the prompt stream's position after the step
+    data_position: int  # the prompt stream's position after the step (full: the first position not consumed)
     schedule_switched_at: int | None
     rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
     turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
     collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
+    data_consumed_ahead: list[int] = dataclasses.field(default_factory=list)  # full: consumed positions past it
 
     @classmethod
     def of_groups(cls, groups, cfg: TrainConfig, *, pad_id: int = 0) -> StepRollouts:
@@ -102,9 +112,12 @@ class _HandOff:
         self.poll_s, self.alive_timeout_s = poll_s, alive_timeout_s
         self.store = torch.distributed.PrefixStore("megatron_tir/rollouts/", _get_default_store())
         self.group = torch.distributed.new_group(backend="gloo", timeout=HANDOFF_TIMEOUT)  # every rank, once
-        dp = [None] * self.world
-        torch.distributed.all_gather_object(dp, parallel_state.get_data_parallel_rank(), group=self.group)
-        self.dp_of = [int(d) for d in dp]
+        # each rank's data-parallel replica and pipeline stage (first, last): the rows it gets and what of them
+        view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
+                parallel_state.is_pipeline_last_stage())
+        views = [None] * self.world
+        torch.distributed.all_gather_object(views, view, group=self.group)
+        self.view_of = [(int(d), bool(f), bool(la)) for d, f, la in views]
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.received_bytes = 0  # what this rank received last (tests and metrics)
         self._stop = threading.Event()
@@ -121,34 +134,40 @@ class _HandOff:
             except Exception:  # noqa: BLE001 - the store went away: the job is ending
                 return
 
-    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> None:
-        """Rank 0: ``header`` to every rank, ``shares[dp]`` to each rank of data-parallel replica ``dp``."""
+    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> TrainRows | None:
+        """Rank 0: ``header`` to every rank and, to each rank of data-parallel replica ``dp``, what its
+        pipeline stage reads of ``shares[dp]`` (:meth:`TrainRows.for_stage`). Returns rank 0's rows."""
         header = dict(header)
-        if shares is not None:
-            header["shapes"] = [{k: [str(v.dtype).removeprefix("torch."), list(v.shape)]
-                                 for k, v in share.tensors().items()} for share in shares]
-        self.store.set(key, json.dumps(header))
         if shares is None:
-            return
+            self.store.set(key, json.dumps(header))
+            return None
+        parts = {_view_key(view): shares[view[0]].for_stage(first=view[1], last=view[2]) for view in set(self.view_of)}
+        header["shapes"] = {k: {name: [str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in part.items()}
+                            for k, part in parts.items()}
+        header["lengths"] = {_view_key(view): shares[view[0]].attention_mask_BT.shape[1] for view in set(self.view_of)}
+        self.store.set(key, json.dumps(header))
         for r in range(1, self.world):
-            for v in shares[self.dp_of[r]].tensors().values():
+            for v in parts[_view_key(self.view_of[r])].values():
                 torch.distributed.send(_wire(v), dst=r, group=self.group)
+        mine = _view_key(self.view_of[0])
+        return TrainRows.from_stage(parts[mine], header["lengths"][mine])
 
     def receive(self, key: str, *, what: str) -> tuple[dict, TrainRows | None]:
         """Every rank but 0: wait (as long as rank 0 lives) for ``key``'s header, then this rank's rows."""
         self._wait(key, what=what)
         header = json.loads(self.store.get(key))
-        shapes = header.pop("shapes", None)
+        shapes, lengths = header.pop("shapes", None), header.pop("lengths", None)
         if shapes is None:
             return header, None
+        mine = _view_key(self.view_of[self.rank])
         tensors, got = {}, 0
-        for name, (dtype, shape) in shapes[self.dp_of[self.rank]].items():
+        for name, (dtype, shape) in shapes[mine].items():
             buf = torch.empty(shape, dtype=torch.uint8 if dtype == "bool" else getattr(torch, dtype))
             torch.distributed.recv(buf, src=0, group=self.group)
             got += buf.numel() * buf.element_size()
             tensors[name] = buf.bool() if dtype == "bool" else buf
         self.received_bytes = got
-        return header, TrainRows(**tensors)
+        return header, TrainRows.from_stage(tensors, lengths[mine])
 
     def _wait(self, key: str, *, what: str) -> None:
         beat, seen_at, sleep = None, time.monotonic(), 0.01
@@ -181,6 +200,11 @@ class _HandOff:
             self._beat.join(timeout=5)
 
 
+def _view_key(view: tuple[int, bool, bool]) -> str:
+    """``dp/first/last`` of a rank's view (data-parallel replica, first and last pipeline stage)."""
+    return f"{view[0]}/{int(view[1])}/{int(view[2])}"
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
 
@@ -199,8 +223,10 @@ class RolloutSource:
 
     def __init__(self, cfg: TrainConfig, *, service_factory, position: int = 0,
                  schedule_switched_at: int | None = None, pad_id: int | None = None,
-                 poll_s: float = 1.0, alive_timeout_s: float = 300.0) -> None:
+                 poll_s: float = 1.0, alive_timeout_s: float = 300.0, consumed_ahead=()) -> None:
         self.cfg = cfg
+        self.full = cfg.trainer.asynchrony.mode == "full"
+        self._producer: GroupProducer | None = None
         self._handoff = _HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
         self.rank = self._handoff.rank
         self.service = None
@@ -209,7 +235,7 @@ class RolloutSource:
         self.schedule_switched_at = schedule_switched_at
         self._rollout_cfg = cfg.rollout if schedule_switched_at is None else switched(cfg.rollout,
                                                                                        cfg.trainer.turn_schedule)
-        self.stream = PromptStream(cfg.data, position=position) if self.rank == 0 else None
+        self.stream = PromptStream(cfg.data, position=position, skip=consumed_ahead) if self.rank == 0 else None
         if self.rank == 0:
             try:
                 self.service = service_factory()
@@ -237,8 +263,11 @@ class RolloutSource:
 
         from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
 
+        from megatron_tir.rollout.engines.base import PauseMode
+
         config = StageWeightSyncConfig(backend="nccl" if torch.cuda.is_available() else "gloo",
-                                       address=socket.getfqdn())
+                                       address=socket.getfqdn(),  # full: requests in flight wait and continue
+                                       pause_mode=PauseMode.RETRACT if self.full else PauseMode.ABORT)
         service = self.service
         sync = StageWeightSync(config, engine=None if service is None else service.engine,
                                submit=None if service is None else service.submit)
@@ -262,6 +291,16 @@ class RolloutSource:
             self._rollout_cfg, self.schedule_switched_at = switched(self.cfg.rollout, tc.turn_schedule), step
             log.info("turn schedule: %d turns, %d tokens from step %d", self._rollout_cfg.max_turns,
                      self._rollout_cfg.max_response_tokens, step)
+        if self.full:
+            self._pending[step] = (time.perf_counter(), None)
+            if self._producer is None:
+                self._producer = GroupProducer(
+                    arollout=self.service.arollout, stream=self.stream, rollout_cfg=lambda: self._rollout_cfg,
+                    version=lambda: self.service.weight_version, batch=tc.sampling.prompts_per_step,
+                    max_staleness=tc.asynchrony.max_staleness, filters=tc.filters,
+                    max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round)
+                self.service.runner.run(self._producer.start())
+            return
         one_round = functools.partial(self._sample_round, self._rollout_cfg)
         f = tc.filters
         coro = collect_groups(one_round, want=tc.sampling.prompts_per_step, max_rounds=tc.sampling.max_rounds,
@@ -279,7 +318,7 @@ class RolloutSource:
         weight sync after it never lands in the middle of them: each of their groups comes from one
         weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
         every rank."""
-        if self.rank == 0 and step in self._pending:
+        if self.rank == 0 and step in self._pending and self._pending[step][1] is not None:
             concurrent.futures.wait([self._pending[step][1]])
 
     async def _sample_round(self, rollout_cfg):
@@ -300,22 +339,31 @@ class RolloutSource:
             self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {type(exc).__name__}: "
                                                 f"{' '.join(str(exc).split())[:300]}"})
             raise
-        self._handoff.publish(key, header, shares)
+        rows = self._handoff.publish(key, header, shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
-        return self._result(header, None if shares is None else shares[0], metrics, got)
+        return self._result(header, rows, metrics, got)
 
     def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
         t0, future = self._pending.pop(step)
-        got = future.result()
         tc = self.cfg.trainer
-        metrics = rollout_metrics(got.sampled)
+        ahead, metrics = [], {}
+        if future is not None:
+            got = future.result()
+            position = self.stream.position  # after the rounds: they draw prompts as they go
+        else:  # full: the step's groups from the producer
+            taken = self.service.runner.run(self._producer.take(tc.sampling.prompts_per_step))
+            got, position, ahead = taken.collected, taken.data_position, taken.consumed_ahead
+            metrics |= {"rollout/groups_in_flight": float(taken.in_flight)}
+            if step == tc.steps:  # the last step: nothing more to generate (what runs returns to the stream)
+                self.service.runner.run(self._producer.stop())
+        metrics |= rollout_metrics(got.sampled) | interruption_metrics(got.groups)
         if stale := self.service.take_stale_responses():  # a server restarted with other weights
             metrics["rollout/stale_responses_dropped"] = float(stale)
             log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
         metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
         metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
         self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
-        header = {"data_position": self.stream.position, "schedule_switched_at": self.schedule_switched_at,
+        header = {"data_position": position, "consumed_ahead": ahead, "schedule_switched_at": self.schedule_switched_at,
                   "budget": [self._rollout_cfg.max_turns, self._rollout_cfg.max_response_tokens],
                   "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
         shares = None
@@ -337,7 +385,7 @@ class RolloutSource:
                 header["turns"] = int(r.turn_index_BT.max()) + 1
                 # the lag against the weights being trained (the engine's version is the learner's: a
                 # sync follows every update): 0 in synchronous training, 1 with trainer.async=one_step
-                metrics |= weight_version_metrics(r.versions_BT, r.loss_mask_BT,
+                metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT,
                                                   current=self.service.weight_version)
                 metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
         metrics["time/rollout"] = time.perf_counter() - t0
@@ -349,7 +397,8 @@ class RolloutSource:
         self.schedule_switched_at = header["schedule_switched_at"]
         return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
                             data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
-                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected)
+                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected,
+                            data_consumed_ahead=list(header.get("consumed_ahead", [])))
 
     @property
     def tokenizer(self):
@@ -376,7 +425,7 @@ class RolloutSource:
         """Before the update (rank 0): the engine frees its memory where it shares the trainer's
         devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``.
         Skipped while a later step's rollouts are in flight: they need the engine."""
-        if self.rank == 0 and not self._pending:
+        if self.rank == 0 and not self._pending and self._producer is None:
             self.service.offload()
 
     def sync_weights(self, learner) -> None:
@@ -388,9 +437,20 @@ class RolloutSource:
             self.service.sync_from(learner)
         else:
             drain(learner.named_hf_buckets())
+        if self._producer is not None:  # full: the new version may admit more groups
+            self.service.runner.run(self._producer.poke())
+
+    def engine_busy_s(self) -> float:
+        """Rank 0: seconds so far with a generation request in flight (0 elsewhere)."""
+        return 0.0 if self.service is None else self.service.engine_busy_s()
 
     def close(self) -> None:
         self._handoff.close()
+        if self._producer is not None:
+            try:
+                self.service.runner.run(self._producer.stop())
+            except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
+                log.exception("stopping the group producer")
         if getattr(self, "stage_sync", None) is not None:
             self.stage_sync.close()
             self.stage_sync = None

@@ -6,8 +6,10 @@ them (``probe_sandbox`` / ``probe_engine``): a run does not start against one th
 
 New weights reach the engine through its weight sync (``offload`` before training frees a
 colocated engine's memory; ``sync_from`` after it loads the weights and resumes the engine);
-a trajectory in flight never straddles a sync, because a step's
-rollouts have all finished before the update starts.
+with ``trainer.async=off`` / ``one_step`` a trajectory in flight never straddles a sync (a step's
+rollouts have all finished before it); with ``full`` the sync retracts requests in flight
+(``pause_mode``) and they continue under the new weights. The driver's requests go through an
+:class:`~megatron_tir.rollout.instrument.EngineActivity` (the engine idle share).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
+from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.factory import (
     EngineConfig,
     SandboxConfig,
@@ -26,6 +29,7 @@ from megatron_tir.rollout.factory import (
     syncs_per_stage,
 )
 from megatron_tir.rollout.event_loop import EventLoopThread
+from megatron_tir.rollout.instrument import EngineActivity
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +38,10 @@ class RolloutService:
     """Owns the engine, the sandbox, the verifier and the event-loop thread on rank 0 (a context manager)."""
 
     def __init__(self, *, engine_cfg: EngineConfig, sandbox_cfg: SandboxConfig, reward_cfg=None, model_dir,
-                 tools: bool = True) -> None:
+                 tools: bool = True, pause_mode: PauseMode = PauseMode.ABORT) -> None:
         self._stack = contextlib.ExitStack()
         self._stale_seen = 0
+        self.pause_mode = pause_mode
         try:
             self._start(engine_cfg, sandbox_cfg, reward_cfg, model_dir, tools)
         except BaseException:
@@ -49,9 +54,10 @@ class RolloutService:
                                    reward_cfg=reward_cfg, model_dir=model_dir, tools=tools)
         self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
                                                                     parts.tokenizer)
+        self.activity = EngineActivity(self.engine)
         self.weight_sync = None  # per-stage: every trainer rank's StageWeightSync (the rollout source's)
         if not syncs_per_stage(engine_cfg):
-            self.weight_sync = build_weight_sync(engine_cfg, self.engine)
+            self.weight_sync = build_weight_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
             self.runner.run(self.weight_sync.start())
             self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
@@ -66,7 +72,7 @@ class RolloutService:
 
     async def arollout(self, problems: Sequence[Problem], config: RolloutConfig, *, group_id_offset: int = 0,
                        progress: bool = False, desc: str = "rollout") -> list[Group]:
-        driver = TIRRollout(self.engine, self.tokenizer, self.sandbox, config, verifier=self.verifier)
+        driver = TIRRollout(self.activity, self.tokenizer, self.sandbox, config, verifier=self.verifier)
         if not progress:
             return await driver.run(problems, group_id_offset=group_id_offset)
         from tqdm import tqdm
@@ -86,6 +92,10 @@ class RolloutService:
         trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
         if self.weight_sync is not None:
             self.runner.run(self.weight_sync.offload())
+
+    def engine_busy_s(self) -> float:
+        """Seconds so far with at least one generation request in flight (cumulative)."""
+        return self.activity.busy_s()
 
     @property
     def weight_version(self) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
+from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loop import train
@@ -46,19 +47,23 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
                 state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
                                                       for o in state.overrides[len(loaded.overrides):]]
             state.step, state.data_position = loaded.step, loaded.data_position
+            state.data_consumed_ahead = list(loaded.data_consumed_ahead)
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
 
         def start_service() -> RolloutService:  # rank 0 only
+            # full: a sync retracts the requests in flight, which continue under the new weights
+            pause = PauseMode.RETRACT if cfg.trainer.asynchrony.mode == "full" else PauseMode.ABORT
             service = RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
-                                     model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools)
+                                     model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools, pause_mode=pause)
             # start-up succeeded: only now does the run directory get its files
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
             return service
 
         with RolloutSource(cfg, service_factory=start_service, position=state.data_position,
-                           schedule_switched_at=state.schedule_switched_at) as source:
+                           schedule_switched_at=state.schedule_switched_at,
+                           consumed_ahead=state.data_consumed_ahead) as source:
             if resume:  # the engines start from the base weights: give them the policy's
                 source.sync_weights(learner)
             with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0

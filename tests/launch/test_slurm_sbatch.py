@@ -282,6 +282,20 @@ def test_colocated_sglang_runs_on_the_trainers_gpus(cluster_file, shims, tmp_pat
     assert _options(argv, "--wait-http") == [",".join(urls)]
 
 
+def test_one_step_asynchrony_on_colocated_sglang_is_refused_before_queueing(cluster_file, tmp_path, capsys):
+    path = cluster_file({"sglang.nodes": 0, "sglang.tp": 4})
+    with pytest.raises(SystemExit) as exit_:
+        main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(path), "--out", str(tmp_path / "run"),
+              "--set", "trainer.async=one_step", "--emit-sbatch", str(tmp_path / "job.sbatch")])
+    assert exit_.value.code == 2 and not (tmp_path / "job.sbatch").exists()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("tir-launch: error: trainer.async=one_step") and "engine.colocated=true" in last, last
+    # on SGLang nodes of its own the same run is fine
+    assert main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(cluster_file({}, name="own.yaml")),
+                 "--out", str(tmp_path / "run2"), "--set", "trainer.async=one_step",
+                 "--emit-sbatch", str(tmp_path / "job2.sbatch")]) == 0
+
+
 def test_sandbox_beside_the_trainer(cluster_file, shims, tmp_path):
     out = _render(cluster_file({"sandbox.nodes": 0}), tmp_path / "r")
     assert _sbatch_flags(out.sbatch)["nodes"] == "6" and list(out.scripts) == ["sglang", "trainer"]

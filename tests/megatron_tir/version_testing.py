@@ -52,3 +52,32 @@ def check_versions_against_weights(batch, model_dir, sets) -> None:
         for w, other in enumerate(refs):
             if w != v:  # the versions' weights really differ on these tokens
                 assert (batch.engine_logprobs_BT[at_v] - other[at_v]).abs().max() > 1e-2
+
+
+def check_partial_rollout(out, reference, prompt: list[int], model_dir, old_weights, new_weights, *,
+                          old: str | int, new: str | int) -> int:
+    """The contract of a request interrupted by a weight sync (retract pause): its tokens are the
+    tokens sampled before the pause -- exactly what the old weights sample uninterrupted
+    (``reference``, same seed) -- followed by the tokens sampled after it, none lost, duplicated or
+    re-tokenised; every log-prob is, column by column, the one of its version's weights over the
+    same ids; it ends as the uninterrupted one would (not ABORT). Returns the pause's token index."""
+    from megatron_tir.rollout.engines.base import FinishReason
+
+    spans = out.meta["weight_versions"]
+    assert [s["version"] for s in spans] == [old, new], spans
+    k = spans[0]["end"]
+    assert spans[0]["start"] == 0 and spans[1]["start"] == k and spans[1]["end"] == len(out.token_ids)
+    assert 0 < k < len(out.token_ids), "the sync did not land inside the request"
+    assert out.finish_reason is not FinishReason.ABORT and out.finish_reason is reference.finish_reason
+    assert out.token_ids[:k] == reference.token_ids[:k]  # before the pause: what the old weights sample
+    torch.testing.assert_close(torch.tensor(out.logprobs[:k]), torch.tensor(reference.logprobs[:k]), atol=1e-4, rtol=0)
+    ids = torch.tensor([list(prompt) + list(out.token_ids)])
+    mask = torch.ones_like(ids)
+    p = len(prompt)
+    before = logprobs_under(model_dir, old_weights, ids, mask)[0, p:]
+    after = logprobs_under(model_dir, new_weights, ids, mask)[0, p:]
+    got = torch.tensor(out.logprobs)
+    torch.testing.assert_close(got[:k], before[:k], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[k:], after[k:], atol=1e-4, rtol=0)  # the continuation: new weights, same columns
+    assert (got[k:] - before[k:]).abs().max() > 1e-2  # and the weights really differ there
+    return k

@@ -196,17 +196,19 @@ class StageWeightSync:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _raise_any(self, error: BaseException | None, what: str) -> None:
-        """Every rank's error (or None) to every rank; all raise the first."""
+    def _raise_any(self, error: BaseException | None, what: str, value: Any = None) -> Any:
+        """Every rank's error (or None) to every rank; all raise the first. Returns rank 0's ``value``."""
         import torch.distributed as dist
 
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
-        for rank, message in enumerate(errors):
+        found: list[Any] = [None] * dist.get_world_size()
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(found, (message, value), group=self.group)
+        for rank, (message, _) in enumerate(found):
             if message is not None:
                 if error is not None and rank == self.rank:
                     raise RuntimeError(f"weight sync ({what}) failed on rank {rank}: {message}") from error
                 raise RuntimeError(f"weight sync ({what}) failed on rank {rank}: {message}")
+        return found[0][1]
 
     def _on_rank0(self, coro) -> Any:
         """Rank 0: run ``coro`` on the engine's loop; (result, error)."""
@@ -289,19 +291,18 @@ class StageWeightSync:
                 return await self._world_size()
 
             world, error = self._on_rank0(check())
-        self._raise_any(error, "start")
-        self._build_groups(self._from_rank0(world))
+        self._build_groups(self._raise_any(error, "start", world))
 
     def update(self, learner) -> int:
         """One sync of ``learner``'s weights (every rank); returns the engine's new weight version."""
         plan, error = None, None
         if self.rank == 0:
-            async def check() -> tuple[bool, int]:
-                return await self._check_servers(), await self._world_size()
+            async def check() -> tuple[bool, int | None]:
+                restarted = await self._check_servers()
+                return restarted, await self._world_size() if restarted else None
 
             plan, error = self._on_rank0(check())
-        self._raise_any(error, "waiting for the servers")
-        restarted, world = self._from_rank0(plan)
+        restarted, world = self._raise_any(error, "waiting for the servers", plan)
         if restarted:
             log.warning("rebuilding the weight-update groups: a server restarted")
             self._drop_groups()
@@ -328,8 +329,7 @@ class StageWeightSync:
                 version = transfer.result()
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
-        self._raise_any(error, "sending the weights")
-        return self._from_rank0(version)
+        return self._raise_any(error, "sending the weights", version)
 
     async def _transfer(self, layout: Layout, dtype: str) -> int:
         """Rank 0: the sync session, one bucket announced at a time (see Order)."""

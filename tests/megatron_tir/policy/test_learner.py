@@ -257,3 +257,13 @@ def test_grad_clip_0_steps_unclipped_and_reports_the_grad_norm(parallel_1x1):
     biggest = max(s.abs().max().item() for s in steps[0.0].values())
     assert max((steps[0.0][n] - steps[1e9][n]).abs().max().item() for n in steps[0.0]) <= 1e-6 * biggest
     assert max((steps[0.0][n] - steps[1e-3][n]).abs().max().item() for n in steps[0.0]) > 0.1 * biggest
+
+
+def test_a_stage_that_reads_tokens_or_the_loss_mask_refuses_a_batch_without_them(tiny_learner):
+    """One stage (PP=1) is the first and the last: it reads both (only other stages may leave them out)."""
+    batch = make_batch(10)
+    with pytest.raises(ValueError, match="tokens_BT is None, but this pipeline stage reads them"):
+        tiny_learner.logprobs(None, batch.attention_mask_BT, local_rows=True)
+    no_mask = TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT, loss_mask_BT=None)
+    with pytest.raises(ValueError, match="loss_mask_BT is None, but this pipeline stage computes the loss"):
+        tiny_learner.train_step(no_mask, ppo_loss, local_rows=True)

@@ -92,25 +92,35 @@ def slow_rollout_rank(rank: int, world: int, delay_s: float, out: str) -> None:
         torch.save({"waited": waited, "rows": got.rows.batch_size, "all_reduce": float(ok)}, f"{out}/rank{rank}.pt")
 
 
-def dp_update_rank(rank: int, world: int, out: str) -> None:
-    """One update from the source's rows; saves what this rank received and (rank 0) the new weights."""
+def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "tiny-qwen2",
+                   async_gae: bool = False) -> None:
+    """One update from the source's rows (``world / pp`` data-parallel replicas of ``pp`` stages);
+    saves what this rank received and (rank 0) the new weights. ``async_gae``: with the off-policy
+    correction of ``trainer.async=one_step`` and a critic's GAE advantages (their metrics)."""
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
     from megatron_tir.train.loop import update_policy
     from megatron_tir.train.rollout_source import RolloutSource
 
-    init_parallel(1, 1)
+    init_parallel(1, pp)
     cfg = source_config(prompts=4, mini_batches=2)
+    if async_gae:
+        cfg = apply_overrides(cfg, ["trainer.async=one_step", "trainer.ppo.advantage=gae"])
     # adam_eps=1 makes Adam's first step ~ lr * grad (no per-element normalisation that turns float noise in
     # near-zero gradients into lr-sized steps): the update compared is the gradient of the batch
-    learner = Learner(LearnerConfig(model="tiny-qwen2", lr=1.0, adam_eps=1.0, max_tokens_per_microbatch=24))
+    learner = Learner(LearnerConfig(model=model, pp=pp, lr=1.0, adam_eps=1.0, max_tokens_per_microbatch=24))
+    critic = Learner(LearnerConfig(model=model, pp=pp, head="value", max_tokens_per_microbatch=24)) if async_gae else None
     initial = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
         source.submit(1)
         got = source.next(1)
-        metrics = update_policy(cfg, got, learner, {}, temperature=1.0)
-        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics}
+        metrics = update_policy(cfg, got, learner, {}, temperature=1.0, critic=critic)
+        from megatron.core import parallel_state
+
+        view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
+                parallel_state.is_pipeline_last_stage())
+        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics, "view": view}
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     torch.save(received, f"{out}/received_rank{rank}.pt")
     if rank == 0:

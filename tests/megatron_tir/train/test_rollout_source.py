@@ -104,3 +104,91 @@ def test_each_data_parallel_rank_receives_only_its_rows_and_the_update_is_the_dp
     assert m1["train/optimizer_steps"] == 2.0 and m1["train/grad_norm"] > 0
     for key in ("train/loss", "train/grad_norm"):
         assert r0["metrics"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """tiny-qwen2's shape and tokenizer with 3 layers (a first, a middle and a last stage at PP=3)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from megatron_tir.model_sources import TINY_QWEN2_CONFIG, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
+    config = Qwen2Config(**(TINY_QWEN2_CONFIG | {"num_hidden_layers": 3}), bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    dest = tmp_path_factory.mktemp("three-layers")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+    return str(dest)
+
+
+def _nbytes(tensors) -> int:
+    return sum(v.numel() * v.element_size() for v in tensors)
+
+
+@pytest.mark.slow  # ~40-60 s of CPU (4-5 processes), minutes of wall time on a shared machine
+@pytest.mark.parametrize("pp,world", [(3, 3), (2, 4)], ids=["pp3", "pp2xdp2"])
+def test_each_pipeline_stage_receives_only_what_it_reads_and_the_update_is_the_pp1_update(tmp_path, three_layers,
+                                                                                          pp, world):
+    model = three_layers if pp == 3 else "tiny-qwen2"  # 3 layers: a first, a middle and a last stage
+    (tmp_path / "pp1").mkdir()
+    (tmp_path / "pp").mkdir()
+    run_ranks(dp_update_rank, 1, str(tmp_path / "pp1"), 1, model)
+    run_ranks(dp_update_rank, world, str(tmp_path / "pp"), pp, model)
+    plan, shares = _expected_shares(world // pp)
+    got = [torch.load(tmp_path / "pp" / f"received_rank{r}.pt") for r in range(world)]
+    assert sorted(g["view"] for g in got) == sorted((d, s == 0, s == pp - 1) for d in range(world // pp)
+                                                    for s in range(pp))
+    reads = {(True, False): {"tokens_BT", "attention_mask_BT", "mini_batch_B"},  # the embedding's input
+             (False, False): {"attention_mask_BT", "mini_batch_B"},  # the micro-batch shapes only
+             (False, True): set(shares[0].tensors())}  # everything the loss reads
+    for rank, g in enumerate(got):
+        dp, first, last = g["view"]
+        rows = shares[dp]
+        assert g["rows"].keys() == reads[first, last], (rank, g["view"])
+        for name, t in g["rows"].items():  # this replica's rows, exactly
+            torch.testing.assert_close(t, rows.tensors()[name], rtol=0, atol=0, msg=name)
+        if rank == 0:  # it sampled them: nothing received
+            assert g["bytes"] == 0
+        elif not first and not last:  # the rows' lengths and mini-batches: nothing per token travels
+            assert g["bytes"] == 2 * 8 * rows.batch_size
+        else:
+            assert g["bytes"] == _nbytes(t for name, t in rows.tensors().items() if name in reads[first, last])
+        assert "versions_BT" not in g["rows"]  # rank 0 logs the weight versions; no rank receives them
+    assert (pp == 3) == any(not f and not la for _, f, la in (g["view"] for g in got))  # pp3 has a middle stage
+    w1, w = torch.load(tmp_path / "pp1" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")
+    moved = 0
+    for name, before in w1["initial"].items():
+        torch.testing.assert_close(w["initial"][name], before, rtol=0, atol=0, msg=name)
+        step1, step = w1["updated"][name] - before, w["updated"][name] - before
+        torch.testing.assert_close(step, step1, rtol=1e-4, atol=1e-6, msg=name)
+        moved += float(step1.abs().max()) > 1e-4
+    assert moved >= len(w1["initial"]) // 2  # the update changed the weights it is compared on
+    m1 = torch.load(tmp_path / "pp1" / "received_rank0.pt")["metrics"]
+    assert m1["train/optimizer_steps"] == 2.0 and m1["train/grad_norm"] > 0
+    for g in got:  # every rank logs the same metrics, whichever rows it holds
+        assert g["metrics"].keys() == m1.keys()
+        for key, want in m1.items():
+            if key == "train/padding_share" and world > pp:  # of this replica's micro-batches (DP > 1)
+                continue
+            assert g["metrics"][key] == pytest.approx(want, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow  # ~30 s of CPU (3 processes, a policy and a critic each)
+def test_row_metrics_at_dp2_are_those_of_the_whole_batch(tmp_path):
+    """The off-policy correction's and the critic's metrics are of every replica's rows (each rank holds
+    its own), equal to DP=1's: means weighted by their token counts, maxima of the maxima."""
+    (tmp_path / "dp1").mkdir()
+    (tmp_path / "dp2").mkdir()
+    run_ranks(dp_update_rank, 1, str(tmp_path / "dp1"), 1, "tiny-qwen2", True)
+    run_ranks(dp_update_rank, 2, str(tmp_path / "dp2"), 1, "tiny-qwen2", True)
+    m1 = torch.load(tmp_path / "dp1" / "received_rank0.pt")["metrics"]
+    keys = [k for k in m1 if k.startswith(("offpolicy/", "critic/"))]
+    assert {"offpolicy/weight_mean", "offpolicy/weight_max", "offpolicy/kl", "critic/explained_variance",
+            "critic/value_mean_correct"} <= set(keys)
+    assert m1["offpolicy/abs_dlogp_mean"] > 1  # the crafted engine log-probs are far from the learner's
+    for rank in (0, 1):
+        m2 = torch.load(tmp_path / "dp2" / f"received_rank{rank}.pt")["metrics"]
+        for key in keys:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key

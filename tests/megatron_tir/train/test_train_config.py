@@ -109,13 +109,14 @@ def test_trainer_async_is_the_command_line_spelling_of_trainer_asynchrony():
             apply_overrides(load_recipe("tiny-cpu"), [item])
 
 
-def test_one_step_asynchrony_with_colocated_engines_is_refused_naming_both_keys():
+@pytest.mark.parametrize("mode", ["one_step", "full"])
+def test_asynchrony_with_colocated_engines_is_refused_naming_both_keys(mode):
     sglang = ["engine.kind=sglang", "engine.urls=http://h1:30000"]
-    for order in (["trainer.async=one_step", "engine.colocated=true"], ["engine.colocated=true", "trainer.async=one_step"]):
+    for order in ([f"trainer.async={mode}", "engine.colocated=true"], ["engine.colocated=true", f"trainer.async={mode}"]):
         with pytest.raises(ValueError) as info:
             apply_overrides(load_recipe("tiny-cpu"), sglang + order)
         text = str(info.value)
-        assert "trainer.async=one_step" in text and "engine.colocated=true" in text and "\n" not in text
+        assert f"trainer.async={mode}" in text and "engine.colocated=true" in text and "\n" not in text
     # either alone is a valid run
     assert apply_overrides(load_recipe("tiny-cpu"), sglang + ["engine.colocated=true"]).engine.colocated
     assert apply_overrides(load_recipe("tiny-cpu"), sglang + ["trainer.async=one_step"]).trainer.asynchrony.mode == "one_step"

@@ -1,5 +1,5 @@
 """PPO with a masked critic in the trainer: GAE advantages from the critic's values (checked by
-hand through a stand-in critic), and tiny-cpu runs with ``trainer.ppo.advantage=gae``: the
+hand from given values), and tiny-cpu runs with ``trainer.ppo.advantage=gae``: the
 critic trains beside the policy, is saved as a second named learner and is restored on resume."""
 
 from __future__ import annotations
@@ -15,19 +15,12 @@ import pytest
 import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
+from megatron_tir.rl.critic import explained_variance
 from megatron_tir.train.config import apply_overrides, load_recipe
-from megatron_tir.train.critic_update import CriticConfig, gae_advantages
+from megatron_tir.train.critic_update import CriticConfig, critic_metrics, gae_advantages
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-class _Critic:  # values() of a learner, fixed
-    def __init__(self, values_BT):
-        self.v = values_BT
-
-    def values(self, tokens_BT, attention_mask_BT, *, local_rows=False):
-        return self.v.clone()
 
 
 def test_gae_advantages_by_hand():
@@ -36,19 +29,22 @@ def test_gae_advantages_by_hand():
     batch = TrainBatch(tokens_BT=torch.zeros(2, 5, dtype=torch.long), attention_mask_BT=torch.ones(2, 5, dtype=torch.bool),
                        loss_mask_BT=mask, extras={"advantages_BT": torch.zeros(2, 5)})
     values = torch.tensor([[9.0, 0.5, 0.25, 7.0, 0.5], [9.0, 0.5, 0.5, 0.0, 0.0]])
-    out, metrics = gae_advantages(batch, torch.tensor([1.0, 0.0]), _Critic(values), CriticConfig(whiten="off"),
-                                  model_mask_BT=mask)
+    out, stats = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(whiten="off"),
+                                model_mask_BT=mask)
+    metrics = critic_metrics(stats)
     # gamma = lam = 1: A_t = R - V(s_t) on model tokens; the feedback token is skipped
     assert out.extras["advantages_BT"].tolist() == [[0, 0.5, 0.75, 0, 0.5], [0, -0.5, -0.5, 0, 0]]
     assert out.extras["returns_BT"].tolist() == [[0, 1, 1, 0, 1], [0, 0, 0, 0, 0]]
     assert out.extras["old_values_BT"][0, 3] == 0  # the feedback token's value is masked out
     assert metrics["critic/value_mean_correct"] == pytest.approx(1.25 / 3)
     assert metrics["critic/value_mean_wrong"] == pytest.approx(0.5) and metrics["critic/kl_in_reward"] == 0
-    whitened, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), _Critic(values), CriticConfig(), model_mask_BT=mask)
+    ev = explained_variance(out.extras["old_values_BT"], out.extras["returns_BT"], mask)  # from the sums: the same
+    assert metrics["critic/explained_variance"] == pytest.approx(float(ev), abs=1e-6)
+    whitened, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(), model_mask_BT=mask)
     a = whitened.extras["advantages_BT"][mask > 0]
     assert float(a.mean()) == pytest.approx(0.0, abs=1e-6) and float(a.std(unbiased=False)) == pytest.approx(1, rel=1e-3)
     raw = torch.tensor([0.5, 0.75, 0.5, -0.5, -0.5])  # the unwhitened advantages above, model tokens in order
-    rms, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), _Critic(values), CriticConfig(whiten="rms"), model_mask_BT=mask)
+    rms, _ = gae_advantages(batch, torch.tensor([1.0, 0.0]), values, CriticConfig(whiten="rms"), model_mask_BT=mask)
     assert rms.extras["advantages_BT"][mask > 0].tolist() == pytest.approx((raw / raw.pow(2).mean().sqrt()).tolist())
 
 
@@ -58,7 +54,7 @@ def test_rms_whitening_keeps_the_signal_of_a_lone_row():
     mask = torch.tensor([[0, 1, 1, 1]], dtype=torch.float32)
     batch = TrainBatch(tokens_BT=torch.zeros(1, 4, dtype=torch.long), attention_mask_BT=torch.ones(1, 4, dtype=torch.bool),
                        loss_mask_BT=mask, extras={})
-    zero = _Critic(torch.zeros(1, 4))
+    zero = torch.zeros(1, 4)
     centred, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="batch"), model_mask_BT=mask)
     assert centred.extras["advantages_BT"].abs().max() == 0
     kept, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="rms"), model_mask_BT=mask)

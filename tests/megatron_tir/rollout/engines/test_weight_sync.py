@@ -228,3 +228,46 @@ def test_every_trained_tokens_version_is_the_weights_that_sampled_it(servers, ti
     check_versions_against_weights(batch, tiny_qwen2, sets)
     rows = [batch.versions_BT[b][batch.loss_mask_BT[b] > 0] for b in range(batch.batch_size)]
     assert any(len(set(r.tolist())) > 1 for r in rows)  # a trajectory did straddle a sync
+
+
+def test_a_retracted_request_is_the_tokens_before_plus_after_the_pause(servers, tiny_qwen2):
+    """The partial-rollout contract of ``trainer.async=full`` on the fake SGLang servers, the one the
+    LocalEngine meets (rollout/sync/test_partial_rollout.py): version_testing.check_partial_rollout.
+    What sglang 0.5.23 refuses here is refused too: an ``in_place`` pause keeps the running batch, so
+    ``/flush_cache`` fails (``srt/managers/io_struct.py`` PauseGenerationReqInput; ``scheduler.py``
+    ``flush_cache`` -> ``is_fully_idle(ignore_waiting=paused)``) and a weight sync refuses that mode;
+    a retract pause moves the running requests to the waiting queue (``scheduler.py``
+    ``pause_generation``), which the flush then ignores."""
+    import urllib.error
+
+    from version_testing import check_partial_rollout, weight_sets
+
+    old, new = weight_sets(tiny_qwen2, 2)
+    params = SamplingParams(max_new_tokens=1500, seed=6, route_key="one-server")
+    with pytest.raises(ValueError, match="pause_mode must be abort or retract"):
+        DistributedWeightSyncConfig(master_address="127.0.0.1", master_port=1, pause_mode=PauseMode.IN_PLACE)
+
+    async def main():
+        engine, sync = engine_and_sync(servers, pause_mode=PauseMode.RETRACT)
+        async with engine:
+            await sync.start()
+            first = await sync.update(buckets_of(old, 64 << 10))  # known weights under a version of ours
+            reference = await engine.generate(PROMPT, params)
+            task = asyncio.create_task(engine.generate(PROMPT, params))
+            await asyncio.sleep(0.5)  # long enough to be still running at the sync on a fast machine
+            await engine.pause(mode=PauseMode.IN_PLACE)
+            refused = []
+            for s in servers:
+                try:
+                    urllib.request.urlopen(urllib.request.Request(f"{s.url}/flush_cache", method="POST"), timeout=10)
+                except urllib.error.HTTPError as exc:
+                    refused.append(exc.code)
+            await engine.resume()
+            second = await sync.update(buckets_of(new, 64 << 10))
+            out = await task
+            await sync.close()
+        return first, second, reference, out, refused
+
+    first, second, reference, out, refused = run(main(), timeout=240)
+    assert second == first + 1 and 400 in refused  # the server running the request refuses the flush
+    check_partial_rollout(out, reference, PROMPT, tiny_qwen2, old, new, old=str(first), new=str(second))

@@ -148,3 +148,82 @@ def test_each_stage_sends_its_own_weights_and_the_servers_end_bit_exact(servers,
         assert set(r0["reference"]) == set(served)  # untied tiny-qwen2: every served tensor is exported
         assert {n: served[n] for n in r0["reference"]} == r0["reference"]  # bit-exact
         assert all(served[n] != before[n] for n in served)  # and new
+
+
+def restart_run(rank: int, world: int, configs: list, out: str) -> None:
+    """PP=2, rank 0 owning two fake servers: sync, restart server 1 (launch weights, in no group),
+    perturb the weights, sync again; rank 0 saves what the servers hold."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer
+    from megatron_tir.rollout.event_loop import EventLoopThread
+    from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
+
+    init_parallel(1, 2)
+    learner = Learner(LearnerConfig(model="tiny-qwen2", pp=2))
+
+    def perturb(seed: int) -> None:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed + rank)
+            for p in learner.module.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+    servers, loop, engine = [], None, None
+    if rank == 0:
+        servers = [SGLangServer(c).start() for c in configs]
+        for s in servers:
+            s.wait_healthy(timeout_s=120, poll_s=0.2)
+        loop = EventLoopThread()
+        engine = SGLangEngine(SGLangEngineConfig(server_urls=tuple(s.url for s in servers), eos_token_ids=(0,),
+                                                 health_check_interval_s=0))
+        loop.run(engine.start())
+    try:
+        sync = StageWeightSync(StageWeightSyncConfig(backend="gloo", timeout_s=60, rejoin_timeout_s=60,
+                                                     bucket_bytes=BUCKET_BYTES, address="127.0.0.1"),
+                               engine=engine, submit=None if loop is None else loop.submit)
+        sync.start()
+        perturb(10)
+        first = sync.update(learner)
+        if rank == 0:  # the agent restarts server 1
+            servers[1].stop()
+            servers[1] = SGLangServer(configs[1]).start()
+            servers[1].wait_healthy(timeout_s=120, poll_s=0.2)
+        perturb(20)
+        second = sync.update(learner)
+        reference = {n: sha(t) for bucket in learner.hf_weights(1 << 30) for n, t in bucket}
+        result = {"versions": (first, second), "rebuilds": sync.rebuilds, "groups": sync.group_names,
+                  "reference": reference}
+        if rank == 0:
+            result["states"] = [fake_state(s.url, weights=True) for s in servers]
+        sync.close()
+    finally:
+        if rank == 0:
+            loop.run(engine.close())
+            loop.close()
+            for s in servers:
+                s.stop()
+    if rank == 0:
+        torch.save(result, out)
+
+
+def test_a_server_that_restarted_gets_new_groups_from_every_stage(tmp_path):
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.policy.parallel import run_ranks
+    from megatron_tir.ports import free_port
+    from megatron_tir.rollout.engines.sglang import SGLangServerConfig
+
+    configs = [SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
+                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
+               for i in range(2)]
+    run_ranks(restart_run, 2, configs, str(tmp_path / "result.pt"))
+    r = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert r["versions"] == (1, 2) and r["rebuilds"] == 1
+    assert r["groups"] == ["megatron_tir_weights-1-pp0", "megatron_tir_weights-1-pp1"]  # generation 1
+    kept, fresh = r["states"]
+    assert {u["group"] for u in fresh["received"]} == set(r["groups"])  # the new process: only the new groups
+    assert {u["group"] for u in kept["received"]} == set(r["groups"]) | {"megatron_tir_weights-0-pp0",
+                                                                            "megatron_tir_weights-0-pp1"}
+    for state in (kept, fresh):
+        assert state["weight_version"] == "2" and not state["contract_errors"]
+        assert {n: state["weights"][n] for n in r["reference"]} == r["reference"]  # bit-exact, both servers
