@@ -40,6 +40,7 @@ bench: install  # every benchmark README's Benchmarks section reports, in its or
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_ckpt.py --rounds 5
 	$(BIN)/python bench/bench_rollout.py
 	$(BIN)/python bench/bench_learner.py
+	$(BIN)/python bench/bench_weight_sync.py
 	$(BIN)/python bench/bench_train.py --steps 10
 
 clean:

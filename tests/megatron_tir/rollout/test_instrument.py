@@ -1,6 +1,7 @@
-"""InstrumentedEngine bookkeeping (used by the benchmark and the exactness tests)."""
+"""InstrumentedEngine bookkeeping (used by the benchmark and the exactness tests); EngineActivity."""
 
 import asyncio
+import time
 
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
 from megatron_tir.rollout.instrument import EngineCall, InstrumentedEngine
@@ -26,3 +27,31 @@ def test_records_what_the_wrapped_engine_returned(smollm2_tokenizer):
     (c,) = inst.calls
     assert c.prompt_ids == (1, 2, 3) and list(c.token_ids) == gen.token_ids and len(gen.token_ids) == 3
     assert c.finish_reason is FinishReason.LENGTH and c.t_end >= c.t_start
+
+
+def test_engine_activity_counts_time_with_a_request_in_flight_once():
+    """Two overlapping requests, a gap, a third: busy = the union of their spans (by the clock)."""
+    from megatron_tir.rollout.engines.base import Generation
+    from megatron_tir.rollout.instrument import EngineActivity
+
+    class Sleeper:
+        eos_token_ids = (0,)
+        weight_version = 0
+
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(params.max_new_tokens / 100)
+            return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
+
+    async def main():
+        meter = EngineActivity(Sleeper())
+        t0 = time.perf_counter()
+        await asyncio.gather(meter.generate([1], SamplingParams(max_new_tokens=20)),  # 0.2 s
+                             meter.generate([1], SamplingParams(max_new_tokens=30)))  # 0.3 s, overlapping
+        await asyncio.sleep(0.3)  # idle
+        during = meter.busy_s()
+        await meter.generate([1], SamplingParams(max_new_tokens=10))
+        return during, meter.busy_s(), time.perf_counter() - t0
+
+    during, busy, wall = asyncio.run(main())
+    # the sum of the requests would be 0.5 and 0.6 s, with the idle gap 0.7 s
+    assert 0.3 <= during < 0.45 and 0.4 <= busy < 0.55 and wall >= 0.7
