@@ -448,7 +448,19 @@ class Learner:
         loss = totals.pop("loss", 0.0)
         return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=skipped, lr=lr, metrics=totals,
                           timings={"forward_backward": t_fb - t0, "optimizer": t_opt - t_fb, "total": t_opt - t0},
-                          padding_share=padding_share(micro_batches), weights_finite=weights_finite)
+                          padding_share=self._padding_share(micro_batches), weights_finite=weights_finite)
+
+    def _padding_share(self, micro_batches: list[MicroBatch]) -> float:
+        """The padding share of every data-parallel replica's micro-batches of the step (each holds its own)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_data_parallel_world_size() == 1:
+            return padding_share(micro_batches)
+        counts = torch.tensor([sum(mb.real_tokens for mb in micro_batches), sum(mb.padded_tokens for mb in micro_batches)],
+                              dtype=torch.float64, device=next(self._model.parameters()).device)
+        torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        real, padded = counts.tolist()
+        return 1.0 - real / padded if padded else 0.0
 
     @staticmethod
     def _sum_reports(reports: list[dict]) -> dict[str, float]:
