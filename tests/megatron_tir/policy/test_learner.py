@@ -4,7 +4,6 @@ micro-batch independence, skipped steps, save -> load, config errors."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
