@@ -19,8 +19,9 @@ levels 2 and 3 state the problem only, with larger numbers. The hint is the rung
 climbs first; the unhinted levels are where it has to carry a family's code over itself.
 
 Problem ``i`` of a split is a pure function of ``(seed, split, i)``. The training split
-cycles through the first six families, levels in the order ``TRAIN_LEVEL_CYCLE`` (1, 2, 1, 3:
-half the prompts hinted); the held-out split cycles through all seven at levels 1, 2, 3, so
+cycles through the first six families with every other prompt arithmetic
+(``TRAIN_FAMILY_CYCLE``), one cycle per level in the order ``TRAIN_LEVEL_CYCLE`` (1, 2, 1, 3:
+half the prompts at level 1); the held-out split cycles through all seven at levels 1, 2, 3, so
 ``base_conversion`` is a family the policy never trains on (its level-1 problems carry a hint
 too: whether reading and running a named one-liner carries over to an unseen family).
 The two splits are disjoint by construction, not by chance: a problem belongs to the
@@ -45,7 +46,12 @@ TRAIN_FAMILIES = ("arithmetic", "digit_sum", "count_primes", "count_divisors", "
 HELD_OUT_FAMILY = "base_conversion"
 FAMILIES = (*TRAIN_FAMILIES, HELD_OUT_FAMILY)
 LEVELS = (1, 2, 3)
-TRAIN_LEVEL_CYCLE = (1, 2, 1, 3)  # training: half the prompts at level 1 (the hinted rung); held out: 1, 2, 3
+# Training order: every other prompt is arithmetic (the family where a first correct answer is
+# likeliest, ~1 in 32 samples for the base model: it teaches calling final_answer), then blocks of
+# one cycle per level, half of them at level 1 (the hinted rung). Held out: each family in turn,
+# levels 1, 2, 3.
+TRAIN_FAMILY_CYCLE = tuple(f for other in TRAIN_FAMILIES[1:] for f in ("arithmetic", other))
+TRAIN_LEVEL_CYCLE = (1, 2, 1, 3)
 INSTRUCTION = " Write Python code that calculates it and pass the result to final_answer()."
 _SPLIT_SALT = {TRAIN: 0, HELD_OUT: 7_000_003}
 
@@ -204,11 +210,14 @@ def task_spec(family: str, index: int, *, level: int, seed: int = 0, split: str 
 
 def mix_problem(index: int, *, seed: int = 0, split: str = TRAIN) -> Problem:
     """Problem ``index`` of the ``tir_mix`` split (families in turn, levels graded; module docstring)."""
-    families = TRAIN_FAMILIES if split == TRAIN else FAMILIES
-    family = families[index % len(families)]
-    levels = TRAIN_LEVEL_CYCLE if split == TRAIN else LEVELS
-    level = levels[(index // len(families)) % len(levels)]
-    spec = task_spec(family, index // len(families), level=level, seed=seed, split=split)
+    if split == TRAIN:
+        family = TRAIN_FAMILY_CYCLE[index % len(TRAIN_FAMILY_CYCLE)]
+        level = TRAIN_LEVEL_CYCLE[(index // len(TRAIN_FAMILY_CYCLE)) % len(TRAIN_LEVEL_CYCLE)]
+        spec = task_spec(family, index, level=level, seed=seed, split=split)
+    else:
+        family = FAMILIES[index % len(FAMILIES)]
+        level = LEVELS[(index // len(FAMILIES)) % len(LEVELS)]
+        spec = task_spec(family, index // len(FAMILIES), level=level, seed=seed, split=split)
     return Problem(index=index, messages=({"role": "user", "content": spec.question + INSTRUCTION},),
                    ground_truth=spec.answer, data_source=family)
 

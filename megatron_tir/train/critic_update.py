@@ -128,7 +128,9 @@ def critic_metrics(stats: RowStats) -> dict[str, float]:
     ret, ret2 = stats.mean("critic/return_mean"), stats.mean("\0ret2")
     err, err2 = stats.mean("\0err"), stats.mean("\0err2")
     var_r, var_e = max(ret2 - ret * ret, 0.0), max(err2 - err * err, 0.0)
-    out = {"critic/explained_variance": 1.0 - var_e / max(var_r, 1e-12),
+    # returns that do not vary (to rounding of the sums): nothing to explain, NaN as explained_variance
+    explained = 1.0 - var_e / var_r if var_r > 1e-9 * max(ret2, 1e-12) else float("nan")
+    out = {"critic/explained_variance": explained,
            "critic/value_mean": stats.mean("critic/value_mean"),
            "critic/value_mean_correct": stats.mean("critic/value_mean_correct", float("nan")),
            "critic/value_mean_wrong": stats.mean("critic/value_mean_wrong", float("nan")),

@@ -73,15 +73,18 @@ class StageWeightSyncConfig:
     bucket_bytes: int = 256 << 20
     load_format: str | None = FLATTENED  # None: one broadcast per tensor (SGLang's default format)
     address: str | None = None  # this rank's address as the servers reach it; None: socket.getfqdn()
+    # the trainer ranks' own gloo group: how long a rank waits for the others at a sync (rank 0 may
+    # first drain a step of rollouts in flight: minutes), as the rollout source's hand-off group
+    coordination_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
         if not self.group_name:
             raise ValueError("group_name is empty")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
-        if not self.timeout_s > 0 or not self.rejoin_timeout_s > 0:
-            raise ValueError(f"timeout_s and rejoin_timeout_s must be > 0, got {self.timeout_s}, "
-                             f"{self.rejoin_timeout_s}")
+        if not self.timeout_s > 0 or not self.rejoin_timeout_s > 0 or not self.coordination_timeout_s > 0:
+            raise ValueError(f"timeout_s, rejoin_timeout_s and coordination_timeout_s must be > 0, got "
+                             f"{self.timeout_s}, {self.rejoin_timeout_s}, {self.coordination_timeout_s}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.load_format not in (None, FLATTENED):
@@ -181,8 +184,7 @@ class StageWeightSync:
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.sender = StageSender(backend=config.backend, timeout_s=config.timeout_s) if is_stage_sender() else None
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s + config.rejoin_timeout_s
-                                                                      + 60))
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.coordination_timeout_s))
         self.generation = -1
         self.group_names: list[str] = []
         self.rebuilds = 0  # groups rebuilt for servers that restarted

@@ -112,8 +112,11 @@ def test_level_1_names_code_that_computes_the_answer_and_the_other_levels_do_not
 
 
 def test_training_levels_follow_the_cycle_and_held_out_levels_cycle_1_2_3():
-    train = mix_problems(6 * len(TRAIN_LEVEL_CYCLE), split=TRAIN)
+    train = mix_problems(10 * len(TRAIN_LEVEL_CYCLE), split=TRAIN)
+    sources = [p.data_source for p in train]
+    assert sources[0::2] == ["arithmetic"] * 20  # every other training prompt
+    assert sources[1:10:2] == list(TRAIN_FAMILIES[1:])
     hinted = ["In Python" in p.messages[0]["content"] for p in train if p.data_source != "arithmetic"]
-    assert sum(hinted) == len(hinted) // 2  # levels 1, 2, 1, 3: half the prompts at level 1
+    assert hinted == [True] * 5 + [False] * 5 + [True] * 5 + [False] * 5  # levels 1, 2, 1, 3
     held = mix_problems(7 * 3, split=HELD_OUT)
     assert [("In Python" in p.messages[0]["content"]) for p in held if p.data_source == "gcd_lcm"] == [True, False, False]
