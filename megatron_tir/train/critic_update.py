@@ -145,5 +145,8 @@ def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, 
     from megatron_tir.policy.losses import ValueLoss
 
     r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation, local_rows=local_rows)
+    if r.empty:  # every token of the mini-batch masked: no step (the same on every rank)
+        return {"critic/empty": 1.0}
     return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
-            "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped)}
+            "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped),
+            "critic/empty": 0.0}

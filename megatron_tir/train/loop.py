@@ -201,8 +201,10 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         "train/max_ratio": float(max_ratio),
     } | (critic_metrics(stats) if critic is not None else {}) | _offpolicy_metrics(stats)
     if critic_steps:
-        metrics |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
         metrics["critic/warmup"] = float(critic_only)
+        metrics["critic/empty_steps"] = sum(s["critic/empty"] for s in critic_steps)
+        if stepped := [s for s in critic_steps if not s["critic/empty"]]:  # empty steps would pull the means to 0
+            metrics |= {k: sum(s[k] for s in stepped) / len(stepped) for k in stepped[0] if k != "critic/empty"}
     trained = [r for r in results if not r.empty]  # the same on every rank (critic_only and the empty steps are)
     if trained:
         metrics |= {"train/loss": sum(r.loss for r in trained) / len(trained),
