@@ -5,10 +5,12 @@ arithmetic task by default; ``--set key=value`` passes through to every mode), o
 other, as ``megatron-tir train`` subprocesses, with a held-out evaluation at every step (the
 learning curve). Reported per mode, from the runs' ``metrics.jsonl``:
 
-* throughput: trained trajectories (``filter/rows_in_loss``) per minute of training, i.e. over the
-  steps' wall time without their held-out evaluations (``time/step`` minus ``time/eval``; in
-  ``full`` generation continues while the evaluation runs, which that figure credits to it) --
-  and, beside it, over the whole steps;
+* throughput: trained trajectories (``filter/rows_in_loss``) per minute over the steps' wall time
+  (``time/step``, their held-out evaluations included: the same work in every mode); beside it the
+  sampled trajectories per minute (``rollout/trajectories``: the filters' luck left out) and the
+  trained ones per minute without the evaluations (``time/step`` minus ``time/eval``; in
+  ``one_step`` / ``full`` generation for the next step runs during the evaluation, which that
+  figure credits to them);
 * the engine idle share (no generation request in flight) and the trainer idle share (waiting for
   rollouts), means over the steps;
 * the mean CPU cores the run kept busy (its process tree's user + system CPU seconds over its wall
@@ -56,19 +58,25 @@ def run_mode(mode: str, *, recipe: str, steps: int, eta: int, sets: list[str], o
     if p.returncode != 0:
         raise SystemExit(f"{mode}: exit {p.returncode}\n{p.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return summarize(run, mode, steps) | {"cores_busy": cpu / wall, "wall_s": wall}
+
+
+def summarize(run: Path, mode: str, steps: int) -> dict:
+    """What the tables report of one mode's run, from its ``metrics.jsonl``."""
     rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     trained = [rows[s] for s in range(1, steps + 1)]
     step_s = sum(r["time/step"] for r in trained)
     eval_s = sum(r.get("time/eval", 0.0) for r in trained)
     trajs = sum(r.get("filter/rows_in_loss", 0.0) for r in trained)
+    sampled = sum(r.get("rollout/trajectories", 0.0) for r in trained)
     mean = lambda k: sum(r.get(k, 0.0) for r in trained) / len(trained)  # noqa: E731
-    return {"mode": mode, "steps": steps, "trajectories": trajs, "train_s": step_s - eval_s, "step_s": step_s,
-            "per_min": 60 * trajs / (step_s - eval_s), "per_min_with_eval": 60 * trajs / step_s,
+    return {"mode": mode, "steps": steps, "trajectories": trajs, "sampled": sampled, "step_s": step_s,
+            "eval_s": eval_s, "per_min": 60 * trajs / step_s, "per_min_without_eval": 60 * trajs / (step_s - eval_s),
+            "sampled_per_min": 60 * sampled / step_s,
             "engine_idle": mean("rollout/engine_idle_share"), "trainer_idle": mean("train/trainer_idle_share"),
             "lag_max": max(r.get("train/weight_version_lag_max", 0.0) for r in trained),
-            "interrupted": mean("rollout/interrupted_share"), "stale_groups": sum(r.get("filter/groups_stale", 0.0)
-                                                                               for r in trained),
-            "cores_busy": cpu / wall, "wall_s": wall,
+            "interrupted": mean("rollout/interrupted_share"),
+            "stale_groups": sum(r.get("filter/groups_stale", 0.0) for r in trained),
             "held_out": [rows[s].get("eval/reward") for s in range(0, steps + 1)]}
 
 
@@ -81,7 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (one per mode)")
+    ap.add_argument("--report", action="store_true", help="print the tables of the runs already in --out")
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads((args.out / "bench_async.json").read_text())
+        results = [summarize(args.out / r["mode"], r["mode"], r["steps"]) | {"cores_busy": r["cores_busy"],
+                                                                            "wall_s": r["wall_s"]}
+                   for r in saved["results"]]
+        report(results, saved["sets"], args)
+        return 0
     modes = args.modes.split(",")
     if bad := [m for m in modes if m not in MODES]:
         ap.error(f"unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
@@ -90,28 +106,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists() and any(args.out.iterdir()):
         ap.error(f"{args.out} is not empty")
     sets = list(DEFAULT_SETS) + args.sets
-    results = [run_mode(m, recipe=args.recipe, steps=args.steps, eta=args.eta, sets=sets, out=args.out, seed=args.seed) for m in modes]
+    results = [run_mode(m, recipe=args.recipe, steps=args.steps, eta=args.eta, sets=sets, out=args.out,
+                        seed=args.seed) for m in modes]
     (args.out / "bench_async.json").write_text(json.dumps({"sets": sets, "results": results}, indent=1))
+    report(results, sets, args)
+    return 0
+
+
+def report(results: list[dict], sets: list[str], args) -> None:
+    steps = results[0]["steps"]
     base = next((r for r in results if r["mode"] == "off"), None)
-    print(f"{args.recipe}, {args.steps} steps per mode, one seed ({args.seed}); overrides: {' '.join(sets)}")
-    print("| mode | trained traj/min | vs off | incl. eval | engine idle | trainer idle | lag max | interrupted "
-          "| stale groups | cores busy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"{args.recipe}, {steps} steps per mode, one seed ({args.seed}); overrides: {' '.join(sets)}")
+    print("| mode | trained traj/min | vs off | sampled traj/min | vs off | trained/min without eval | engine idle "
+          "| trainer idle | lag max | interrupted | stale groups | cores busy |")
+    print("| --- |" + " --- |" * 11)
     for r in results:
         vs = f"{r['per_min'] / base['per_min']:.2f}×" if base else "–"
-        print(f"| {r['mode']} | {r['per_min']:.1f} | {vs} | {r['per_min_with_eval']:.1f} | {r['engine_idle']:.0%} "
-              f"| {r['trainer_idle']:.0%} | {r['lag_max']:.0f} | {r['interrupted']:.0%} | {r['stale_groups']:.0f} "
-              f"| {r['cores_busy']:.2f} |")
+        vs_s = f"{r['sampled_per_min'] / base['sampled_per_min']:.2f}×" if base else "–"
+        print(f"| {r['mode']} | {r['per_min']:.2f} | {vs} | {r['sampled_per_min']:.2f} | {vs_s} "
+              f"| {r['per_min_without_eval']:.2f} | {r['engine_idle']:.0%} | {r['trainer_idle']:.0%} "
+              f"| {r['lag_max']:.0f} | {r['interrupted']:.0%} | {r['stale_groups']:.0f} | {r['cores_busy']:.2f} |")
     if base:
         cores = os.cpu_count() or 1
         print(f"ceiling of any overlap on {cores} cores: {cores / base['cores_busy']:.2f}× off "
               f"(off kept {base['cores_busy']:.2f} of {cores} cores busy)")
     print("held-out reward by step (0 = before training):")
-    print("| mode | " + " | ".join(str(s) for s in range(args.steps + 1)) + " |")
-    print("| --- |" + " --- |" * (args.steps + 1))
+    print("| mode | " + " | ".join(str(s) for s in range(steps + 1)) + " |")
+    print("| --- |" + " --- |" * (steps + 1))
     for r in results:
         print(f"| {r['mode']} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in r["held_out"]) + " |")
-    return 0
 
 
 if __name__ == "__main__":

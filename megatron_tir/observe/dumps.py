@@ -12,6 +12,7 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
 * ``dropped_by`` -- why not in the loss (null when it is): ``group filter: zero_std`` /
   ``accuracy`` / ``no_counted_rows`` (the rule of :func:`megatron_tir.rl.group_keep_G`),
   ``group filter: surplus`` (the group passed but the train batch was already full),
+  ``stale: older than trainer.async.max_staleness`` (``trainer.async=full``),
   ``void: <reason>`` (SimpleTIR: a void turn), ``over-long`` (truncated, ``overlong=mask``),
   ``infrastructure: tool_failed | aborted``, ``no model tokens``.
 
@@ -86,15 +87,21 @@ def _void_reason(t: Trajectory) -> str:
 
 def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, advantage: str,
               overlong: str, low_prob_fraction: float, drop_zero_std: bool, accuracy_lo: float,
-              accuracy_hi: float) -> dict[tuple[int, int], dict]:
-    """``(group_id, sample_index) -> update record`` for every sampled trajectory (see the module docstring)."""
+              accuracy_hi: float, stale: Sequence[Group] = ()) -> dict[tuple[int, int], dict]:
+    """``(group_id, sample_index) -> update record`` for every sampled trajectory (see the module docstring);
+    ``stale``: the sampled groups ``trainer.async=full`` dropped for staleness."""
     from megatron_tir.rl import MODES
     from megatron_tir.train.batch import filter_groups, plan_update, to_tensors
 
     fates: dict[tuple[int, int], dict] = {}
-    kept_ids = {id(g) for g in kept}
+    kept_ids, stale_ids = {id(g) for g in kept}, {id(g) for g in stale}
     for g in sampled:
         if id(g) in kept_ids:
+            continue
+        if id(g) in stale_ids:
+            for t in g.trajectories:
+                fates[(t.group_id, t.sample_index)] = {"in_stats": False, "in_loss": False, "advantage": None,
+                                                       "dropped_by": "stale: older than trainer.async.max_staleness"}
             continue
         _, removed = filter_groups([g], drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo,
                                    accuracy_hi=accuracy_hi)

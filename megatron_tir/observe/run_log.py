@@ -50,7 +50,8 @@ class StepObserver:
         fates = row_fates(collected.sampled, collected.groups, mode=tc.mode, advantage=tc.ppo.advantage,
                           overlong=tc.filters.overlong,
                           low_prob_fraction=tc.filters.low_prob_fraction, drop_zero_std=tc.filters.drop_zero_std,
-                          accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi)
+                          accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi,
+                          stale=collected.stale)
         self._records += step_records(step, "train", collected.sampled, self.tokenizer,
                                       include_ids=self.log_cfg.dump_tokens, fates=fates)
 

@@ -50,6 +50,7 @@ from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.policy.learner_contract import AGGREGATIONS, KEEP_METRIC, LossFn, LossInputs, OutputFn, StepResult, TrainBatch
 from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
+from megatron_tir.policy.parallel import collective_device
 from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
 from megatron_tir.policy.value_head import VALUE_HEAD_KEY
 from megatron_tir.policy.weights import bucket_layout, hf_buckets, load_hf_weights, stage_buckets
@@ -347,7 +348,10 @@ class Learner:
         optimizer step, hence before its gradient clipping (megatron-core's ``optimizer.step``
         clips, then steps). Metrics keep the unfiltered weights (``KEEP_METRIC``'s mean is the
         kept share); the reported loss is the filtered one. A step that keeps no token takes no
-        optimizer step (weights, optimizer and lr schedule untouched; not counted as skipped).
+        optimizer step (weights, optimizer and lr schedule untouched; not counted as skipped). A
+        loss mask that selects no token of the mini-batch (over every replica's rows under
+        ``local_rows``) runs no forward either: every rank returns ``empty`` (not ``skipped``), the
+        stages before the last learning the count from it (one all-reduce over the pipeline group).
 
         ``local_rows``: ``batch`` holds only this data-parallel replica's rows (the caller dealt
         them; every rank of a replica passes the same rows, at least one, loss mask 0 allowed);
@@ -383,8 +387,10 @@ class Learner:
                 torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
                 total = float(count.item())
             weight_BT = per_token_BT / max(total, 1.0)
-            if total == 0:
-                raise ValueError("loss_mask_BT selects no tokens: nothing to train on")
+        if local_rows and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            total = _last_stage_count(total if batch.loss_mask_BT is not None else 0.0)
+        if total == 0:  # every rank of the world knows it now: none enters the schedule
+            return self._empty_step(t0)
 
         def loss_for(mb: MicroBatch, tokens_bL: torch.Tensor):
             if batch.loss_mask_BT is None:
@@ -448,7 +454,30 @@ class Learner:
         loss = totals.pop("loss", 0.0)
         return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=skipped, lr=lr, metrics=totals,
                           timings={"forward_backward": t_fb - t0, "optimizer": t_opt - t_fb, "total": t_opt - t0},
-                          padding_share=padding_share(micro_batches), weights_finite=weights_finite)
+                          padding_share=self._padding_share(micro_batches), weights_finite=weights_finite)
+
+    def _empty_step(self, t0: float) -> StepResult:
+        """The result of a mini-batch whose loss mask selects no token (e.g. the off-policy correction
+        masked every one): no forward, no optimizer step (weights, optimizer and lr schedule untouched),
+        ``empty``; every rank of the world takes this branch together (``train_step``'s count)."""
+        log.warning("no optimizer step: the loss mask selects no token of the mini-batch")
+        weights_finite = self.weights_finite()
+        t = time.perf_counter() - t0
+        return StepResult(loss=0.0, grad_norm=0.0, skipped=False, lr=self.lr, metrics={},
+                          timings={"forward_backward": 0.0, "optimizer": 0.0, "total": t},
+                          padding_share=0.0, weights_finite=weights_finite, empty=True)
+
+    def _padding_share(self, micro_batches: list[MicroBatch]) -> float:
+        """The padding share of every data-parallel replica's micro-batches of the step (each holds its own)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_data_parallel_world_size() == 1:
+            return padding_share(micro_batches)
+        counts = torch.tensor([sum(mb.real_tokens for mb in micro_batches), sum(mb.padded_tokens for mb in micro_batches)],
+                              dtype=torch.float64, device=next(self._model.parameters()).device)
+        torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        real, padded = counts.tolist()
+        return 1.0 - real / padded if padded else 0.0
 
     @staticmethod
     def _sum_reports(reports: list[dict]) -> dict[str, float]:
@@ -520,6 +549,18 @@ class Learner:
     def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``named_hf_buckets`` without the stages."""
         return (tensors for _, tensors in self.named_hf_buckets(bucket_bytes))
+
+
+def _last_stage_count(total: float) -> float:
+    """The last pipeline stage's loss-token / row count (already summed over the data-parallel
+    replicas) on every stage of this rank's pipeline: the stages before it hold no loss mask and pass
+    0. One all-reduce (max) over the pipeline group, on the group's device."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    count = torch.tensor([total], dtype=torch.float64, device=collective_device(group))
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+    return float(count.item())
 
 
 def _no_loss_here(output):

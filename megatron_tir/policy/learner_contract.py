@@ -77,7 +77,9 @@ class TrainBatch:
 class StepResult:
     """One optimizer step: the mini-batch's loss and metric means, grad norm before clipping,
     whether the step was skipped (non-finite grad norm: weights and optimizer unchanged),
-    the lr used, wall-clock timings (seconds) and the padding share of the micro-batches."""
+    the lr used, wall-clock timings (seconds) and the padding share of the micro-batches. ``empty``:
+    the mini-batch had no loss token (weights, optimizer and lr schedule unchanged; not ``skipped``,
+    which means non-finite gradients)."""
 
     loss: float
     grad_norm: float
@@ -87,3 +89,4 @@ class StepResult:
     timings: dict[str, float]
     padding_share: float
     weights_finite: bool = True  # every weight of every rank finite after the step (one reduction)
+    empty: bool = False  # the loss mask selected no token (every one masked): no forward, no optimizer step

@@ -23,7 +23,8 @@ buckets to the servers computes without the tensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from megatron_tir.policy.checkpoint.layout import MODEL_PREFIX
 from megatron_tir.policy.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _LAYERS = "decoder.layers."
 
@@ -124,6 +127,35 @@ def _gather_tp(param: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=param.partition_dim)
 
 
+def _bucketed(items: Iterable[tuple[str, T]], nbytes: Callable[[T], int],
+              bucket_bytes: int) -> Iterator[list[tuple[str, T]]]:
+    """The one bucket rule (the exports' and ``bucket_layout``'s): ``items`` in order, a bucket
+    closes once it holds ``bucket_bytes`` (one item may overshoot it); what is left is the last
+    bucket. Lazy: a bucket is yielded before the next item is pulled (the exports gather there)."""
+    bucket: list[tuple[str, T]] = []
+    size = 0
+    for name, item in items:
+        bucket.append((name, item))
+        size += nbytes(item)
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _local_names(model, spec: ModelSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The stage's parameters, and the key map's name -> the stage's own name (either layer spec)."""
+    params = dict(model.named_parameters())
+    layer_offset = _layer_offset(model)
+    return params, {_global_name(n, layer_offset, spec): n for n in params
+                    if n != "output_layer.weight" or not spec.tie_word_embeddings}
+
+
 def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
     """``(stage, [(HF name, full tensor), ...])`` buckets on global rank 0 (see the module docstring);
     collective."""
@@ -137,24 +169,18 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
     in_replica0 = parallel_state.get_data_parallel_rank() == 0
     is_sender_tp = parallel_state.get_tensor_model_parallel_rank() == 0
     senders = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    params = dict(model.named_parameters())
-    layer_offset = _layer_offset(model)
-    local_names = {_global_name(n, layer_offset, spec): n for n in params if n != "output_layer.weight"
-                   or not spec.tie_word_embeddings}
+    params, local_names = _local_names(model, spec)
     dtype = next(iter(params.values())).dtype
     device = next(iter(params.values())).device
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for stage in range(pp):
-        sender = senders[stage] if rank == 0 else None
+
+    def stage_tensors(stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0: the stage's HF tensors (its own, or received from the stage's sender); the
+        stage's gathering ranks: the gathers (and the sender's sends to rank 0), nothing yielded."""
         gathering = in_replica0 and my_stage == stage
-        if rank != 0 and not gathering:
-            continue
         for p in stage_plans(spec, stage, pp):
             tensors: list[torch.Tensor] | None = None
             if gathering:
-                local = local_names[p.megatron]
-                full = _gather_tp(params[local], p.megatron, gated=True)  # (the key map's name: either spec)
+                full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)  # (the key map's name)
                 tensors = keymap.to_hf(p, full, spec)
                 if is_sender_tp and rank != 0:
                     for t in tensors:
@@ -166,45 +192,26 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
                 if tensors is None:  # another stage's: receive it
                     tensors = [torch.empty(s, dtype=dtype, device=device) for s in p.hf_shapes]
                     for t in tensors:
-                        torch.distributed.recv(t, src=sender)
-                for name, t in zip(p.hf, tensors):
-                    bucket.append((name, t))
-                    size += t.numel() * t.element_size()
-                    if size >= bucket_bytes:
-                        yield stage, bucket
-                        bucket, size = [], 0
-        if bucket:
+                        torch.distributed.recv(t, src=senders[stage])
+                yield from zip(p.hf, tensors)
+
+    for stage in range(pp):
+        if rank != 0 and not (in_replica0 and my_stage == stage):
+            continue
+        for bucket in _bucketed(stage_tensors(stage), _tensor_bytes, bucket_bytes):
             yield stage, bucket
-            bucket, size = [], 0
-
-
-def _cut(sizes: list[int], bucket_bytes: int) -> list[int]:
-    """Bucket ends (exclusive indices) for items of ``sizes`` bytes: a bucket closes once it
-    holds ``bucket_bytes`` (``hf_buckets``' rule)."""
-    ends, size = [], 0
-    for i, n in enumerate(sizes):
-        size += n
-        if size >= bucket_bytes:
-            ends.append(i + 1)
-            size = 0
-    if not ends or ends[-1] != len(sizes):
-        ends.append(len(sizes))
-    return ends
 
 
 def bucket_layout(spec: ModelSpec, pp: int, bucket_bytes: int,
                   element_size: int) -> list[list[list[tuple[str, tuple[int, ...]]]]]:
     """Per pipeline stage, its buckets as ``[(HF name, shape), ...]`` in send order: what
-    ``stage_buckets`` yields on each stage's sender, without the tensors."""
+    ``stage_buckets`` yields on each stage's sender, without the tensors (the same rule, ``_bucketed``)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    layout = []
-    for stage in range(pp):
-        items = [(name, tuple(shape)) for p in stage_plans(spec, stage, pp) for name, shape in zip(p.hf, p.hf_shapes)]
-        sizes = [element_size * int(torch.Size(shape).numel()) for _, shape in items]
-        ends = _cut(sizes, bucket_bytes)
-        layout.append([items[a:b] for a, b in zip([0, *ends[:-1]], ends)])
-    return layout
+    return [list(_bucketed(((name, tuple(shape)) for p in stage_plans(spec, stage, pp)
+                            for name, shape in zip(p.hf, p.hf_shapes)),
+                           lambda shape: element_size * int(torch.Size(shape).numel()), bucket_bytes))
+            for stage in range(pp)]
 
 
 def is_stage_sender() -> bool:
@@ -229,21 +236,13 @@ def stage_buckets(model, spec: ModelSpec,
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     sender = parallel_state.get_tensor_model_parallel_rank() == 0
-    params = dict(model.named_parameters())
-    layer_offset = _layer_offset(model)
-    local_names = {_global_name(n, layer_offset, spec): n for n in params if n != "output_layer.weight"
-                   or not spec.tie_word_embeddings}
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for p in stage_plans(spec, stage, pp):
-        full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
-        if not sender:
-            continue
-        for name, t in zip(p.hf, keymap.to_hf(p, full, spec)):
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield stage, bucket
-                bucket, size = [], 0
-    if bucket:
+    params, local_names = _local_names(model, spec)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for p in stage_plans(spec, stage, pp):
+            full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
+            if sender:
+                yield from zip(p.hf, keymap.to_hf(p, full, spec))
+
+    for bucket in _bucketed(tensors(), _tensor_bytes, bucket_bytes):
         yield stage, bucket

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -311,6 +311,7 @@ class Collected:
     sampled: list[Group]  # everything sampled (for the rollout metrics)
     rounds: int
     removed: dict[str, int]  # groups removed by each filter rule
+    stale: list[Group] = field(default_factory=list)  # trainer.async=full: dropped for staleness (also in sampled)
 
 
 async def collect_groups(run_round, *, want: int, max_rounds: int, drop_zero_std: bool, accuracy_lo: float,

@@ -128,7 +128,9 @@ def critic_metrics(stats: RowStats) -> dict[str, float]:
     ret, ret2 = stats.mean("critic/return_mean"), stats.mean("\0ret2")
     err, err2 = stats.mean("\0err"), stats.mean("\0err2")
     var_r, var_e = max(ret2 - ret * ret, 0.0), max(err2 - err * err, 0.0)
-    out = {"critic/explained_variance": 1.0 - var_e / max(var_r, 1e-12),
+    # returns that do not vary (to rounding of the sums): nothing to explain, NaN as explained_variance
+    explained = 1.0 - var_e / var_r if var_r > 1e-9 * max(ret2, 1e-12) else float("nan")
+    out = {"critic/explained_variance": explained,
            "critic/value_mean": stats.mean("critic/value_mean"),
            "critic/value_mean_correct": stats.mean("critic/value_mean_correct", float("nan")),
            "critic/value_mean_wrong": stats.mean("critic/value_mean_wrong", float("nan")),
@@ -143,5 +145,8 @@ def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, 
     from megatron_tir.policy.losses import ValueLoss
 
     r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation, local_rows=local_rows)
+    if r.empty:  # every token of the mini-batch masked: no step (the same on every rank)
+        return {"critic/empty": 1.0}
     return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
-            "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped)}
+            "critic/value_clip_fraction": r.metrics.get("value_clipped", 0.0), "critic/skipped": float(r.skipped),
+            "critic/empty": 0.0}

@@ -162,7 +162,7 @@ class GroupProducer:
         first = min(list(self._running) + [f.group.group_id for f in self._ready], default=self.stream.position)
         self._consumed = {p for p in self._consumed if p >= first}
         return Taken(collected=Collected(groups=taken, sampled=taken + filtered + stale, rounds=rounds,
-                                         removed=removed),
+                                         removed=removed, stale=stale),
                      stale=len(stale), data_position=first, consumed_ahead=sorted(self._consumed),
                      in_flight=len(self._running), version=version)
 

@@ -196,17 +196,21 @@ def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *
         "filter/low_prob_tokens_masked": stats.totals.get("filter/low_prob_tokens_masked", 0.0),
         "train/optimizer_steps": float(len(results)),
         "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/empty_steps": float(sum(r.empty for r in results)),  # every loss token masked: no step taken
         "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
         "train/max_ratio": float(max_ratio),
     } | (critic_metrics(stats) if critic is not None else {}) | _offpolicy_metrics(stats)
     if critic_steps:
-        metrics |= {k: sum(s[k] for s in critic_steps) / len(critic_steps) for k in critic_steps[0]}
         metrics["critic/warmup"] = float(critic_only)
-    if results:  # the same on every rank (critic_only is)
-        metrics |= {"train/loss": sum(r.loss for r in results) / len(results),
-                    "train/grad_norm": sum(r.grad_norm for r in results) / len(results),
-                    "train/padding_share": sum(r.padding_share for r in results) / len(results)}
-        means = {key: sum(r.metrics[key] for r in results) / len(results) for key in results[0].metrics}
+        metrics["critic/empty_steps"] = sum(s["critic/empty"] for s in critic_steps)
+        if stepped := [s for s in critic_steps if not s["critic/empty"]]:  # empty steps would pull the means to 0
+            metrics |= {k: sum(s[k] for s in stepped) / len(stepped) for k in stepped[0] if k != "critic/empty"}
+    trained = [r for r in results if not r.empty]  # the same on every rank (critic_only and the empty steps are)
+    if trained:
+        metrics |= {"train/loss": sum(r.loss for r in trained) / len(trained),
+                    "train/grad_norm": sum(r.grad_norm for r in trained) / len(trained),
+                    "train/padding_share": sum(r.padding_share for r in trained) / len(trained)}
+        means = {key: sum(r.metrics[key] for r in trained) / len(trained) for key in trained[0].metrics}
         metrics |= {f"train/{k}": v for k, v in loss_fn.finish(means).items()}
     return metrics
 

@@ -251,6 +251,7 @@ class RolloutSource:
                 self._handoff.close()
                 raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
         self.stage_sync = None  # SGLang servers of their own: every stage's sender sends its weights
+        self._syncs = 0  # per-stage syncs started: the hand-off key each waits on
         if syncs_per_stage(cfg.engine):
             try:
                 self.stage_sync = self._start_stage_sync()
@@ -432,6 +433,15 @@ class RolloutSource:
         """The learner's weights into rank 0's engine (collective: every rank calls it); per stage
         where the servers have GPUs of their own (``megatron_tir.rollout.sync.stages``)."""
         if self.stage_sync is not None:
+            # the other ranks wait for rank 0 (which may first drain a step of rollouts: minutes) by
+            # polling the store as long as rank 0 lives, not inside the sync's collectives (a group's timeout)
+            key = f"sync/{self._syncs}"
+            self._syncs += 1
+            if self.rank == 0:
+                self._handoff.publish(key, {})
+                self._handoff.forget(f"sync/{self._syncs - 2}")  # every rank read it: they synced together since
+            else:
+                self._handoff.receive(key, what="rank 0 to start the weight sync")
             self.stage_sync.update(learner)
         elif self.rank == 0:
             self.service.sync_from(learner)

@@ -15,9 +15,11 @@ Every trainer rank builds a :class:`StageWeightSync` and makes the same calls (`
   flush, resume). It computes the buckets' names and shapes from the model spec
   (``Learner.bucket_layout``), never from the tensors.
 * **each stage's sender** (its first TP rank of replica 0; rank 0 is stage 0's) joins its
-  stage's group and broadcasts its stage's buckets (``Learner.stage_buckets``); building the
-  next bucket (the TP gather, the HF split, the flattening) overlaps the broadcast of the
-  current one (a sending thread, one bucket queued).
+  stage's group and broadcasts its stage's buckets (``Learner.stage_buckets``), each checked
+  against the layout rank 0 announced (sent to every rank first); building the next bucket (the
+  TP gather, the HF split, the flattening) overlaps the broadcast of the current one (a sending
+  thread; at most two buckets alive, a bucket's slot freed only once its bytes have gone, see
+  :meth:`StageSender.send`).
 * its TP peers take part in the gathers; every other rank only waits for the outcome.
 
 Order. A server's scheduler handles one request at a time, and a group join or a receive holds
@@ -73,15 +75,19 @@ class StageWeightSyncConfig:
     bucket_bytes: int = 256 << 20
     load_format: str | None = FLATTENED  # None: one broadcast per tensor (SGLang's default format)
     address: str | None = None  # this rank's address as the servers reach it; None: socket.getfqdn()
+    # the trainer ranks' own gloo group: how long a rank waits for the others inside a sync (rank 0
+    # waiting up to rejoin_timeout_s for the servers, then the transfer). The wait before a sync, while
+    # rank 0 drains a step of rollouts, is not in it: RolloutSource.sync_weights polls the store first
+    coordination_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
         if not self.group_name:
             raise ValueError("group_name is empty")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
-        if not self.timeout_s > 0 or not self.rejoin_timeout_s > 0:
-            raise ValueError(f"timeout_s and rejoin_timeout_s must be > 0, got {self.timeout_s}, "
-                             f"{self.rejoin_timeout_s}")
+        if not self.timeout_s > 0 or not self.rejoin_timeout_s > 0 or not self.coordination_timeout_s > 0:
+            raise ValueError(f"timeout_s, rejoin_timeout_s and coordination_timeout_s must be > 0, got "
+                             f"{self.timeout_s}, {self.rejoin_timeout_s}, {self.coordination_timeout_s}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.load_format not in (None, FLATTENED):
@@ -97,6 +103,29 @@ def round_robin(layout: Layout) -> list[tuple[int, list[tuple[str, tuple[int, ..
     for i in range(max((len(b) for b in layout), default=0)):
         order += [(stage, buckets[i]) for stage, buckets in enumerate(layout) if i < len(buckets)]
     return order
+
+
+def check_announced(tensors: list, *, stage: int, index: int, layout: list[list[tuple[str, tuple[int, ...]]]],
+                    dtype: str | None) -> None:
+    """ValueError (one line) unless bucket ``index`` of ``stage`` has the names, shapes and dtype
+    rank 0 announced (the servers allocate their receive buffers from the announcement)."""
+    where = f"weight sync: stage {stage} bucket {index}"
+    if index >= len(layout):
+        raise ValueError(f"{where}: {tensors[0][0]} was not announced (the layout has {len(layout)} buckets)")
+    announced = layout[index]
+    for i, (name, tensor) in enumerate(tensors):
+        if i >= len(announced):
+            raise ValueError(f"{where}: {name} was not announced (the bucket has {len(announced)} tensors)")
+        want_name, want_shape = announced[i]
+        if name != want_name:
+            raise ValueError(f"{where}: {name} where {want_name} was announced")
+        if tuple(tensor.shape) != tuple(want_shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, announced {tuple(want_shape)}")
+        got = str(tensor.dtype).removeprefix("torch.")
+        if dtype is not None and got != dtype:
+            raise ValueError(f"{where}: {name} has dtype {got}, announced {dtype}")
+    if len(tensors) < len(announced):
+        raise ValueError(f"{where}: {announced[len(tensors)][0]} was announced but not built")
 
 
 class StageSender:
@@ -115,35 +144,73 @@ class StageSender:
             master_address=address, master_port=port, world_size=world_size, group_name=group_name,
             backend=self.backend, timeout_s=self.timeout_s))
 
-    def send(self, buckets: Iterable[Bucket], *, flattened: bool) -> None:
-        """Broadcast every bucket (one tensor, or one per tensor); the next is built meanwhile."""
+    def send(self, buckets: Iterable[Bucket], *, flattened: bool, stage: int = 0,
+             layout: list[list[tuple[str, tuple[int, ...]]]] | None = None, dtype: str | None = None) -> None:
+        """Broadcast every bucket (one tensor, or one per tensor); the next is built meanwhile.
+
+        ``layout`` (with ``dtype``): this stage's buckets as rank 0 announced them to the servers,
+        which allocate their receive buffers from it; a bucket that differs is refused (one-line
+        ValueError naming the stage, the bucket and the first difference) before it goes out.
+
+        At most two buckets are alive at once: the one on the wire and the one built next. A bucket
+        takes a slot before it is built (before ``next(buckets)``: the gathers and the HF split
+        happen there) and gives it back only once its bytes have gone. "Gone" needs care on NCCL:
+        a blocking ``dist.broadcast`` returns once the operation is enqueued on NCCL's stream, not
+        when it completed (torch.distributed docs, "Synchronous and asynchronous collective
+        operations": for CUDA "it is not guaranteed that the CUDA operation is completed"), and
+        ``Work.wait()`` on a CUDA collective only makes the current stream wait for it, without
+        blocking the CPU (``Work.wait``'s docstring). So each broadcast is ``async_op=True``, then
+        ``work.wait()``, then the current stream is synchronised (CUDA tensors only); on gloo
+        ``wait()`` returns when the operation completed. Without that, the caching allocator keeps
+        every enqueued bucket's memory until the stream reaches it, and the builder could hold a
+        whole stage's gathered buckets (tens of GB at 32B)."""
+        import torch
         import torch.distributed as dist
 
-        pending: queue.Queue = queue.Queue(maxsize=1)
+        slots = threading.Semaphore(2)
+        pending: queue.Queue = queue.Queue()
         failed: list[BaseException] = []
+
+        def send_one(names: list[str], payload: list) -> None:
+            for tensor in payload:
+                dist.broadcast(tensor, src=0, group=self.group, async_op=True).wait()
+                if tensor.is_cuda:
+                    torch.cuda.current_stream(tensor.device).synchronize()
+            self.sent.append((self.group_name, names, sum(t.numel() * t.element_size() for t in payload)))
 
         def broadcast() -> None:
             while (item := pending.get()) is not None:
-                if failed:
-                    continue  # keep taking buckets so the builder never blocks on a dead sender
-                names, payload = item
                 try:
-                    for tensor in payload:
-                        dist.broadcast(tensor, src=0, group=self.group)
+                    if not failed:  # keep taking buckets so the builder never blocks on a dead sender
+                        send_one(*item)
                 except BaseException as exc:  # handed to the builder below
                     failed.append(exc)
-                    continue
-                self.sent.append((self.group_name, names, sum(t.numel() * t.element_size() for t in payload)))
+                finally:
+                    item = None  # noqa: F841 - the bucket's memory goes before its slot does
+                    slots.release()
 
         thread = threading.Thread(target=broadcast, name="weight-sync-sender", daemon=True)
         thread.start()
+        built = 0
         try:
-            for bucket in buckets:
-                tensors = check_bucket(bucket)
-                payload = [flatten(tensors)] if flattened else [t.contiguous() for _, t in tensors]
-                pending.put(([n for n, _ in tensors], payload))
+            it = iter(buckets)
+            while True:
+                slots.acquire()
                 if failed:
                     break
+                bucket = next(it, None)
+                if bucket is None:
+                    if layout is not None and built != len(layout):
+                        raise ValueError(f"weight sync: stage {stage}: {built} buckets built, {len(layout)} announced")
+                    break
+                tensors = check_bucket(bucket)
+                if layout is not None:
+                    check_announced(tensors, stage=stage, index=built, layout=layout, dtype=dtype)
+                item = ([n for n, _ in tensors], [flatten(tensors)] if flattened else [t.contiguous() for _, t in tensors])
+                bucket = tensors = None  # the builder keeps no reference to a bucket it handed over
+                pending.put(item)
+                item = None
+                built += 1
         finally:
             pending.put(None)
             thread.join()
@@ -181,8 +248,7 @@ class StageWeightSync:
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.sender = StageSender(backend=config.backend, timeout_s=config.timeout_s) if is_stage_sender() else None
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s + config.rejoin_timeout_s
-                                                                      + 60))
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.coordination_timeout_s))
         self.generation = -1
         self.group_names: list[str] = []
         self.rebuilds = 0  # groups rebuilt for servers that restarted
@@ -309,15 +375,19 @@ class StageWeightSync:
             self.rebuilds += 1
             self._build_groups(world)
         cfg = self.config
+        announced = None
+        if self.rank == 0:
+            announced = (learner.bucket_layout(cfg.bucket_bytes), str(learner.weight_dtype).removeprefix("torch."))
+        layout, dtype = self._from_rank0(announced)  # what the servers will allocate: each sender checks against it
         transfer = None
         if self.rank == 0:
-            transfer = self.submit(self._transfer(learner.bucket_layout(cfg.bucket_bytes),
-                                                  str(learner.weight_dtype).removeprefix("torch.")))
+            transfer = self.submit(self._transfer(layout, dtype))
         error = None
         try:
             buckets = learner.stage_buckets(cfg.bucket_bytes)
             if self.sender is not None:
-                self.sender.send(buckets, flattened=cfg.load_format == FLATTENED)
+                self.sender.send(buckets, flattened=cfg.load_format == FLATTENED, stage=self.stage,
+                                 layout=layout[self.stage], dtype=dtype)
             else:
                 for _ in buckets:  # a TP peer of a sender: the gathers
                     pass

@@ -55,8 +55,9 @@ def test_rms_whitening_keeps_the_signal_of_a_lone_row():
     batch = TrainBatch(tokens_BT=torch.zeros(1, 4, dtype=torch.long), attention_mask_BT=torch.ones(1, 4, dtype=torch.bool),
                        loss_mask_BT=mask, extras={})
     zero = torch.zeros(1, 4)
-    centred, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="batch"), model_mask_BT=mask)
+    centred, stats = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="batch"), model_mask_BT=mask)
     assert centred.extras["advantages_BT"].abs().max() == 0
+    assert math.isnan(critic_metrics(stats)["critic/explained_variance"])  # constant returns: undefined
     kept, _ = gae_advantages(batch, torch.tensor([1.0]), zero, CriticConfig(whiten="rms"), model_mask_BT=mask)
     assert kept.extras["advantages_BT"][0].tolist() == pytest.approx([0, 1, 1, 1], abs=1e-6)
     with pytest.raises(ValueError, match="whiten must be one of batch, rms, off"):

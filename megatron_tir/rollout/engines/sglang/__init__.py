@@ -1,7 +1,8 @@
 """SGLang servers as a generation engine: the HTTP client and the server launcher.
 
 ``wire`` (the /generate request and answer), ``pool`` (health and routing), ``client``
-(:class:`SGLangEngine`: generate and the control endpoints) and ``server`` (launching
+(:class:`SGLangEngine`: generate, health, weight versions), ``control`` (its control endpoints,
+mixed in) and ``server`` (launching
 ``sglang.launch_server``). The weight sync that drives the control endpoints lives in
 :mod:`megatron_tir.rollout.sync.sglang`.
 """

@@ -2,8 +2,9 @@
 
 Schema: every body is checked with the installed SGLang sources (see sglang_schema.py);
 answers are api_types structs encoded with their ``to_json_value``. Generation is real:
-the backend is a LocalEngine over a tiny HF model. Run as a script it is a server process
-the launcher can start (``python fake_sglang.py --model-path DIR --port N ...``).
+the backend is a LocalEngine over a tiny HF model (fake_sglang_backend.py). Run as a script
+it is a server process the launcher can start (``python fake_sglang.py --model-path DIR
+--port N ...``).
 
 Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
   1. weight-update session -- ``/update_weights_from_distributed`` and
@@ -64,7 +65,7 @@ Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a toke
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
 
-One file on purpose (about 610 lines): it is one fake server, run as a process by the tests, and
+One file on purpose (about 590 lines): it is one fake server, run as a process by the tests, and
 each rule sits beside the endpoint it guards with the sglang file it follows.
 """
 
@@ -76,7 +77,6 @@ import ipaddress
 import logging
 import os
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -545,79 +545,6 @@ class FakeSGLangServer:
         return _json(None)
 
 
-# ---------------------------------------------------------------------- a real backend
-
-
-def local_engine_handler(engine) -> GenerateHandler:
-    """Serve /generate with a LocalEngine, answering with api_types structs like SGLang does.
-
-    The LocalEngine stops on the model's EOS ids; a request's ``stop_token_ids`` end it at
-    the first such id (sampling is causal and per-request seeded, so cutting there is what
-    stopping there would have produced).
-    """
-    from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-
-    types = api_types()
-
-    async def handle(req, body: dict):
-        sp = req.sampling_params
-        stop = sp.stop if isinstance(sp.stop, list) else [sp.stop] if sp.stop else []
-        params = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                top_k=sp.top_k, stop=tuple(stop), seed=sp.sampling_seed)
-        out = await engine.generate(req.input_ids, params)
-        ids, logprobs, reason = list(out.token_ids), list(out.logprobs), out.finish_reason
-        stop_ids = set(sp.stop_token_ids or ())
-        cut = next((i for i, t in enumerate(ids) if t in stop_ids), None)
-        if cut is not None and not (reason is FinishReason.EOS and cut == len(ids) - 1):
-            ids, logprobs, reason = ids[: cut + 1], logprobs[: cut + 1], FinishReason.EOS
-        if reason is FinishReason.STOP:
-            finish = types.FinishStop(matched=out.matched_stop)
-        elif reason is FinishReason.EOS:
-            finish = types.FinishStop(matched=ids[-1])
-        elif reason is FinishReason.LENGTH:
-            finish = types.FinishLength(length=len(ids))
-        else:
-            finish = types.FinishAbort(message="Abort before prefill" if not ids else "Aborted")
-        spans = [types.WeightVersionSpan(version=s["version"], start=s["start"], end=min(s["end"], len(ids)))
-                 for s in out.meta.get("weight_versions", []) if s["start"] < len(ids)]
-        meta = types.GenerateMetaInfo(
-            id=req.rid or "", prompt_tokens=len(req.input_ids), completion_tokens=len(ids), finish_reason=finish,
-            output_token_logprobs=[types.LogprobEntry(logprob=lp, token_id=t, text=None)
-                                   for t, lp in zip(ids, logprobs)],
-            weight_versions=spans)
-        return types.GenerateResponse(text=engine.tokenizer.decode(ids), meta_info=meta, output_ids=ids)
-
-    return handle
-
-
-def serve_in_thread(make: Callable[[], FakeSGLangServer], port: int = 0) -> tuple[FakeSGLangServer, Callable[[], None]]:
-    """A fake on its own event loop in a daemon thread (its timers run while the caller's loop
-    is blocked); returns the started server and a function that stops it."""
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        loop = asyncio.new_event_loop()
-        box["loop"] = loop
-        server = make()
-        loop.run_until_complete(server.start(port=port))
-        box["server"] = server
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(server.stop())
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(30), "fake server did not start"
-
-    def stop() -> None:
-        box["loop"].call_soon_threadsafe(box["loop"].stop)
-        thread.join(10)
-
-    return box["server"], stop
-
-
 def main(argv: list[str] | None = None) -> int:
     """Server process: accepts only flags SGLang's launch_server declares."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -635,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fake_sglang %(message)s")
 
     async def serve() -> None:
+        from fake_sglang_backend import local_engine_handler
+
         from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
         engine = LocalEngine(LocalEngineConfig(model=args.model_path, seed=args.random_seed, torch_threads=1))

@@ -161,3 +161,31 @@ def test_the_local_engine_follows_the_same_contract(tiny_qwen2, make_engine):
     assert [c[0] for c in calls] == ["resume_memory_occupation", "update_weights", "resume_memory_occupation", "resume"]
     assert calls[0][1] == ["weights"]
     assert version == 1 and out.versions == [1] * len(out.token_ids) and torch.all(norm == 0.5)
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+def test_the_tensor_sync_sends_buckets_in_the_format_it_serialised(monkeypatch, load_format):
+    """``flattened_bucket`` (the default): each bucket serialised as SGLang's flattened bucket
+    (one IPC handle) and announced with that ``load_format`` (io_struct's field, checked by the
+    fake's schema); None: the per-tensor dump and no ``load_format``."""
+    asked = []
+
+    def stand_in(bucket, tp, flattened=False):
+        asked.append(flattened)
+        return ["c3RhbmQtaW4="] * tp
+
+    monkeypatch.setattr(ws, "serialize_for_tp_ranks", stand_in)
+
+    async def main():
+        server = FakeSGLangServer(scripted(canned_response))
+        async with client([await server.start()]) as engine:
+            sync = ws.TensorWeightSync(engine, load_format=load_format)
+            await sync.start()
+            await sync.update(BUCKETS + BUCKETS)
+        await server.stop()
+        return server
+
+    server = run(main())
+    bodies = [body for path, body in server.requests if path == "/update_weights_from_tensor"]
+    assert [b.get("load_format") for b in bodies] == [load_format] * 2 and not server.contract_errors
+    assert asked == [load_format == "flattened_bucket"] * 2

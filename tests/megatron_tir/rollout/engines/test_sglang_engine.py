@@ -25,7 +25,8 @@ from megatron_tir.rollout.engines.sglang import (
 )
 
 from engine_testing import protocol_mismatches, run
-from fake_sglang import DROP_CONNECTION, FakeSGLangServer, local_engine_handler
+from fake_sglang import DROP_CONNECTION, FakeSGLangServer
+from fake_sglang_backend import local_engine_handler
 from sglang_schema import api_types
 from megatron_tir.ports import free_port
 from sglang_testing import EOS, canned_response, client, scripted

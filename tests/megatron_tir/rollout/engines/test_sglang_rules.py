@@ -13,7 +13,8 @@ import time
 
 import pytest
 from engine_testing import run
-from fake_sglang import FakeSGLangServer, RadixCache, local_engine_handler, serve_in_thread, tcp_address
+from fake_sglang import FakeSGLangServer, RadixCache, tcp_address
+from fake_sglang_backend import local_engine_handler, serve_in_thread
 from sglang_schema import api_types
 from megatron_tir.ports import free_port
 from sglang_testing import canned_response, client, scripted, unreachable_url

@@ -47,3 +47,13 @@ def test_the_stages_take_turns_one_bucket_each():
     layout = [[["s0b0"], ["s0b1"], ["s0b2"]], [["s1b0"]]]
     assert [b[0] for _, b in round_robin(layout)] == ["s0b0", "s1b0", "s0b1", "s0b2"]
     assert [s for s, _ in round_robin(layout)] == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("bad,message", [({"bucket_bytes": 0}, "bucket_bytes"), ({"load_format": "direct"}, "load_format"),
+                                         ({"backend": "mpi"}, "backend"), ({"pause_mode": "in_place"}, "pause_mode"),
+                                         ({"coordination_timeout_s": 0}, "coordination_timeout_s")])
+def test_the_per_stage_sync_config_refuses_what_it_cannot_do(bad, message):
+    from megatron_tir.rollout.sync.stages import StageWeightSyncConfig
+
+    with pytest.raises(ValueError, match=message):
+        StageWeightSyncConfig(**bad)
