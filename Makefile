@@ -43,6 +43,11 @@ bench: install  # every benchmark README's Benchmarks section reports, in its or
 	$(BIN)/python bench/bench_learner.py
 	$(BIN)/python bench/bench_weight_sync.py
 	$(BIN)/python bench/bench_train.py --steps 10
+	$(BIN)/megatron-tir train --recipe smollm2-cpu --out runs/smollm2-cpu
+	BIN=$(BIN) sh bench/curve_grpo_ppo.sh runs/grpo-vs-ppo 3
+	$(BIN)/python bench/sim_async.py
+	$(BIN)/python bench/bench_async.py --steps 3 --out runs/bench_async --set trainer.sampling.prompts_per_step=4 \
+		--set data.eval_size=4
 
 clean:
 	rm -rf $(VENV) build *.egg-info
