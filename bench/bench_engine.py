@@ -13,9 +13,10 @@ prefill and sampling, as a rollout sees it; tokens per CPU-second (process CPU t
 threads) is printed too, as the figure a loaded machine distorts least.
 
 The roofline is measured on the spot: memory bandwidth (a 256 MiB tensor copy, read +
-write bytes per second; a decode step reads every weight once, at half that rate) and
-the matmul rate of one decode-shaped product (largest batch x hidden by hidden x
-intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
+write bytes per second, and a sum over the same tensor, read bytes per second: a decode
+step only reads the weights, so the read rate bounds it; the issue's estimate took half
+the copy rate, which this CPU's read rate exceeds ~2x) and the matmul rate of one
+decode-shaped product (largest batch x hidden by hidden x intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
 2 * params * B / matmul rate); "of roofline" is tokens/s over B / that time.
 Prints one JSON line per run as it ends, then the roofline, one line per (batch size,
 decoder) with the medians and a summary line per batch size.
@@ -64,7 +65,8 @@ async def measure(model: str, decoder: str, batch_size: int, requests: int, max_
 
 
 def measure_roofline(hidden: int, intermediate: int, batch: int, repeats: int = 5) -> dict:
-    """Copy bandwidth (read + write bytes/s) and the matmul rate of a batch x hidden @ hidden x intermediate."""
+    """Copy bandwidth (read + write bytes/s), read bandwidth (bytes/s of a sum) and the matmul rate
+    of a batch x hidden @ hidden x intermediate."""
     src = torch.randn(64 * 1024 * 1024 // 4 * 4)  # 256 MiB, far beyond the caches
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -83,14 +85,22 @@ def measure_roofline(hidden: int, intermediate: int, batch: int, repeats: int = 
         for _ in range(20):
             torch.nn.functional.linear(x, w)
         mm_s.append((time.perf_counter() - t0) / 20)
+    src.sum()
+    read_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        read_s.append(time.perf_counter() - t0)
     copy_bytes = 2 * src.numel() * src.element_size()
     flops = 2 * batch * hidden * intermediate
     return {"copy_GBps": round(copy_bytes / min(copy_s) / 1e9, 1),
+            "read_GBps": round(copy_bytes / 2 / min(read_s) / 1e9, 1),
             "matmul_GFLOPs": round(flops / min(mm_s) / 1e9, 1), "matmul_shape": [batch, hidden, intermediate]}
 
 
 def roofline_tokens_per_s(batch: int, roof: dict, params: int, weight_bytes: int) -> float:
-    step_s = max(weight_bytes / (roof["copy_GBps"] * 1e9 / 2), 2 * params * batch / (roof["matmul_GFLOPs"] * 1e9))
+    read = max(roof["read_GBps"], roof["copy_GBps"] / 2)
+    step_s = max(weight_bytes / (read * 1e9), 2 * params * batch / (roof["matmul_GFLOPs"] * 1e9))
     return batch / step_s
 
 
