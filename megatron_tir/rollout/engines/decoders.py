@@ -151,21 +151,12 @@ class SlotDecoder:
     At construction the q/k/v and the gate/up projections of every layer are re-laid as
     row blocks of one contiguous matrix each (their parameters become views into it, so an
     in-place ``copy_`` of new weights still lands where the decode step reads it), which
-    makes a layer four matmuls instead of seven.
+    makes a layer four matmuls instead of seven; each is split across the torch threads
+    (``_split_linear``).
     """
 
     name = "slot"
     min_capacity = 128
-    # At most this many rows, a step reads the q/k/v, o and gate/up weights and the lm_head
-    # from copies stored transposed (``[in, out]`` in memory): MKL's matrix-vector product
-    # over that layout streams them ~1.6x faster on this CPU than over the ``[out, in]``
-    # layout nn.Linear keeps (29 vs 47 ms for SmolLM2-sized matrices at one row, 42 vs 72 ms
-    # at two), while from four rows up the ``[out, in]`` layout is as fast or faster (88 vs
-    # 64 ms at four). down_proj (1536 in, 576 out) is read faster as it is: a SmolLM2 decode
-    # step at one row took 38.3 ms with it kept, 40.8 ms with it transposed too, 53.1 ms with
-    # no copies (medians of 6 interleaved rounds of 10 steps, 2 cores). The copies cost
-    # ~430 MB for SmolLM2-135M in float32.
-    small_rows = 2
 
     def __init__(self, model, device: torch.device, max_rows: int) -> None:
         if not supports_slot_decoder(model):
@@ -182,28 +173,6 @@ class SlotDecoder:
         self.dtype = self.body.embed_tokens.weight.dtype
         self.fused = [(_fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                        _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in self.layers]
-        # (source, copy) pairs: each copy an [out, in] view of [in, out] storage, refreshed
-        # from its source by weights_changed() (the engine calls it after every weight update).
-        self._small: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.small_weights = [self._small_layer(i) for i in range(len(self.layers))]
-        self.small_lm_head = self._transposed(model.lm_head.weight)
-
-    def _transposed(self, source: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            copy = source.detach().t().contiguous().t()
-        self._small.append((source, copy))
-        return copy
-
-    def _small_layer(self, i: int) -> tuple[torch.Tensor, ...]:
-        layer, ((qkv_w, _), (gate_up_w, _)) = self.layers[i], self.fused[i]
-        return (self._transposed(qkv_w), self._transposed(layer.self_attn.o_proj.weight),
-                self._transposed(gate_up_w), layer.mlp.down_proj.weight)
-
-    @torch.inference_mode()
-    def weights_changed(self) -> None:
-        """Refresh the small-batch copies from the model's weights (after an in-place update)."""
-        for source, copy in self._small:
-            copy.copy_(source)
 
     def _reserve(self, state: SlotState | None, rows: int, longest: int) -> SlotState:
         """``state`` with room for ``rows`` slots of ``longest`` columns (capacity grows by doubling)."""
@@ -258,15 +227,11 @@ class SlotDecoder:
         cos, sin = self.body.rotary_emb(hidden, position_ids=pos_B[:, None])  # [B, 1, head_dim]
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        small = rows <= self.small_rows
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self.fused[i]
-            o_w, down_w = attn.o_proj.weight, mlp.down_proj.weight
-            if small:
-                qkv_w, o_w, gate_up_w, down_w = self.small_weights[i]
             x = _rms_norm(layer.input_layernorm, hidden)
-            qkv = F.linear(x, qkv_w, qkv_b).view(rows, qk_heads + kv_heads, head_dim)
+            qkv = _split_linear(x, qkv_w, qkv_b).view(rows, qk_heads + kv_heads, head_dim)
             qk = qkv[:, :qk_heads]
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # RoPE on q and k at once
             k, v = qk[:, heads:], qkv[:, qk_heads:]
@@ -280,15 +245,12 @@ class SlotDecoder:
             out = F.scaled_dot_product_attention(
                 qk[:, :heads, None], layer_keys[:rows, :, :width], layer_values[:rows, :, :width],
                 attn_mask=mask, scale=self.scaling, enable_gqa=gqa)  # [B, heads, 1, head_dim]
-            hidden = hidden + F.linear(out.reshape(rows, heads * head_dim), o_w, attn.o_proj.bias)
+            hidden = hidden + _split_linear(out.reshape(rows, heads * head_dim), attn.o_proj.weight, attn.o_proj.bias)
             x = _rms_norm(layer.post_attention_layernorm, hidden)
-            gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
-            hidden = hidden + F.linear(mlp.act_fn(gate) * up, down_w, mlp.down_proj.bias)
+            gate, up = _split_linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+            hidden = hidden + _split_linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         state.lengths = [n + 1 for n in lengths]
-        hidden = _rms_norm(self.body.norm, hidden)
-        if small:
-            return F.linear(hidden, self.small_lm_head, self.model.lm_head.bias)
-        return self.model.lm_head(hidden)
+        return _split_linear(_rms_norm(self.body.norm, hidden), self.model.lm_head.weight, self.model.lm_head.bias)
 
     @torch.inference_mode()
     def keep_rows(self, state: SlotState, keep: list[int]) -> tuple[SlotState | None, list[int]]:
@@ -310,6 +272,27 @@ class SlotDecoder:
             order[hole] = mover
         state.lengths = [state.lengths[j] for j in order]
         return state, order
+
+
+def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a decode step's few rows: the weight's output rows split
+    into one block per torch thread, multiplied as one batched product (each dot product is still
+    one row of ``weight`` against one row of ``x``).
+
+    Why: at one row the product is a matrix-vector product, which MKL runs on one thread,
+    streaming the weights at ~10-15 GB/s on this 2-core CPU; the batched product runs one block
+    per thread and streams 17-22 GB/s (SmolLM2's shapes). At 2-16 rows the plain product is
+    multi-threaded but packs the weight each call; the batched one is faster there too. A
+    SmolLM2-135M decode step, plain vs split (medians of 3 x 5 steps, interleaved): 63 vs 40 ms
+    at 1 row, 110 vs 66 at 2, 89 vs 54 at 4, 106 vs 75 at 8, 109 vs 83 at 16."""
+    parts = torch.get_num_threads()
+    out, inner = weight.shape
+    if parts < 2 or out % parts or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    y = torch.bmm(x.expand(parts, rows, inner), weight.view(parts, out // parts, inner).transpose(1, 2))
+    y = y.transpose(0, 1).reshape(rows, out)
+    return y if bias is None else y + bias
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

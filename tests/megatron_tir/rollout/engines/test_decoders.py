@@ -9,6 +9,7 @@ import pytest
 import torch
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
 from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engine_testing import reference_logprobs, run
@@ -62,3 +63,24 @@ def test_slot_and_hf_decoders_sample_the_same_tokens(make_engine, tiny_llama):
     for a, b in zip(slot, hf):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(1, 12, 8), (2, 12, 8), (5, 7, 9), (16, 6, 4)])  # (rows, out, in)
+def test_split_linear_is_f_linear(threads, shape):
+    """The threads' split of a decode step's products: F.linear's values, with and without bias,
+    and F.linear itself where the rows do not split evenly or the weight is a strided view."""
+    from megatron_tir.rollout.engines.decoders import _split_linear
+
+    rows, out, inner = shape
+    gen = torch.Generator().manual_seed(rows * 100 + out)
+    x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, inner), (out, inner), (out,)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            torch.testing.assert_close(_split_linear(x, weight, b), F.linear(x, weight, b), atol=1e-6, rtol=1e-6)
+        strided = torch.randn(inner, out, generator=gen).t()  # not contiguous: falls back
+        torch.testing.assert_close(_split_linear(x, strided, bias), F.linear(x, strided, bias))
+    finally:
+        torch.set_num_threads(before)
