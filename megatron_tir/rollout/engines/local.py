@@ -512,3 +512,5 @@ class LocalEngine:
     def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in updates:
             self._params[name].copy_(tensor)
+        if isinstance(self._decoder, SlotDecoder):
+            self._decoder.weights_changed()

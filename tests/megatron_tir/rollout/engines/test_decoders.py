@@ -68,9 +68,10 @@ def test_slot_and_hf_decoders_sample_the_same_tokens(make_engine, tiny_llama):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(1, 12, 8), (2, 12, 8), (5, 7, 9), (16, 6, 4)])  # (rows, out, in)
 def test_split_linear_is_f_linear(threads, shape):
-    """The threads' split of a decode step's products: F.linear's values, with and without bias,
-    and F.linear itself where the rows do not split evenly or the weight is a strided view."""
-    from megatron_tir.rollout.engines.decoders import _split_linear
+    """The threads' splits of a decode step's products (by output rows; by the input dimension over a
+    transposed copy): F.linear's values, with and without bias, and F.linear itself where the
+    rows do not split evenly or the weight is a strided view."""
+    from megatron_tir.rollout.engines.decoders import _split_inner, _split_linear
 
     rows, out, inner = shape
     gen = torch.Generator().manual_seed(rows * 100 + out)
@@ -80,6 +81,8 @@ def test_split_linear_is_f_linear(threads, shape):
     try:
         for b in (None, bias):
             torch.testing.assert_close(_split_linear(x, weight, b), F.linear(x, weight, b), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(_split_inner(x, weight.t().contiguous(), b), F.linear(x, weight, b),
+                                       atol=1e-5, rtol=1e-5)
         strided = torch.randn(inner, out, generator=gen).t()  # not contiguous: falls back
         torch.testing.assert_close(_split_linear(x, strided, bias), F.linear(x, strided, bias))
     finally:
