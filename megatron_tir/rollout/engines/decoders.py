@@ -185,7 +185,8 @@ class SlotDecoder:
     # 576 out) stays split along its output rows (``_split_linear``), which was faster for it.
     # A SmolLM2-135M decode step, split by output rows vs this (medians of 8 interleaved
     # rounds of 4 steps, 2 cores): 34.2 vs 28.6 ms at 1 row, 64.1 vs 50.6 at 2, 59.8 vs 71.4
-    # at 4. The copies cost ~430 MB for SmolLM2-135M in float32.
+    # at 4 (the first seconds of a process: sustained, this CPU's clock drops; the ratios held in
+    # bench/bench_engine.py). The copies cost ~430 MB for SmolLM2-135M in float32.
     small_rows = 2
 
     @torch.inference_mode()
