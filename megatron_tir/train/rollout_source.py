@@ -417,7 +417,14 @@ class RolloutSource:
         ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
                                    seed=cfg.trainer.seed + 1)
         t0 = time.perf_counter()
-        groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")
+        if self._producer is not None:  # full: the evaluation first, then generation ahead again
+            self.service.runner.run(self._producer.hold(True))
+        try:
+            groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress,
+                                          desc="eval")
+        finally:
+            if self._producer is not None:
+                self.service.runner.run(self._producer.hold(False))
         if observe is not None:
             observe(groups)
         return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}

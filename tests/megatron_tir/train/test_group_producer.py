@@ -227,3 +227,32 @@ def test_full_mode_over_syncs_with_interruptions_on_the_local_engine(make_tiny_h
     assert interrupted["rollout/interrupted_share"] > 0 and interrupted["rollout/interrupted_spans_mean"] >= 2
     batch = collate(groups, pad_id=0)
     check_versions_against_weights(batch, tiny, sets)
+
+
+def test_a_held_producer_admits_nothing_new_and_resumes_where_the_bound_stands():
+    """hold(True) (a held-out evaluation runs): groups in flight finish and are taken, but no slot
+    they free is refilled, not even after a sync, until hold(False)."""
+    async def main():
+        s = Scripted()
+        p = producer(s, batch=2, eta=1)
+        await p.start()
+        await settle()
+        started = sorted(s.gates)  # (eta + 0 + 1) * batch = 4
+        await p.hold(True)
+        for pos in (0, 1):
+            s.release(pos)
+        taken = await p.take(2)
+        s.version = 1
+        await p.poke()  # the bound would admit 2 more: (1 + 1 + 1) * 2 - 2 taken - 2 running
+        await settle()
+        held = sorted(s.gates)
+        await p.hold(False)
+        await settle()
+        released = sorted(s.gates)
+        await p.stop()
+        return started, taken, held, released
+
+    started, taken, held, released = asyncio.run(main())
+    assert started == [0, 1, 2, 3] and [g.group_id for g in taken.collected.groups] == [0, 1]
+    assert held == [0, 1, 2, 3]
+    assert released == [0, 1, 2, 3, 4, 5]

@@ -96,3 +96,17 @@ def test_full_killed_and_resumed_trains_no_prompt_twice_and_loses_none(tmp_path)
     # none lost: every position before the checkpoint's is consumed, and past it exactly those it lists
     assert set(consumed) == set(range(final["data_position"])) | set(final["data_consumed_ahead"])
     assert json.loads((run / "config.json").read_text())["trainer"]["asynchrony"]["max_staleness"] == 1
+
+
+def test_full_with_held_out_evaluations_runs_and_evaluates_every_step(tmp_path):
+    """Evaluations in ``full`` hold the producer's admission while they run (GroupProducer.hold,
+    tested in test_group_producer.py) and release it: every step still trains within the bound."""
+    run = tmp_path / "run"
+    check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", "--set", "trainer.checkpoint.every=0",
+                 "--set", "trainer.async=full", "--set", "trainer.async.max_staleness=1", "--set", "data.eval_size=2",
+                 "--set", "trainer.eval_every=1", "--out", str(run)))
+    m = metrics(run)
+    assert sorted(m) == [1, 2]
+    _check_lag(m, m)
+    for step in m:
+        assert "eval/reward" in m[step] and m[step]["time/eval"] > 0, m[step]
