@@ -9,6 +9,8 @@ hold exactly the sampled tokens.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,33 +71,53 @@ class InstrumentedEngine:
 
 
 class EngineActivity:
-    """A pass-through engine wrapper that only measures: how long at least one request was in
-    flight (``busy_s()``, cumulative since start), from which a caller derives the engine's idle
-    share over any window. A request retracted by a weight sync stays in flight (it waits in
-    the engine's queue). Use it from the engine's event loop; ``busy_s`` may be read from any thread."""
+    """A pass-through engine wrapper that only measures: how long the engine was working
+    (``busy_s()``, cumulative since start) -- at least one request in flight and no weight sync
+    under way -- from which a caller derives the engine's idle share over any window. A request
+    retracted or held by a sync stays in flight but the engine does not work on it: the caller
+    brackets each sync with ``paused()``. Requests are counted on the engine's event loop;
+    ``paused()`` and ``busy_s`` may be used from any thread."""
 
     def __init__(self, engine: GenerationEngine) -> None:
         self.engine = engine
         self.eos_token_ids = engine.eos_token_ids
+        self._lock = threading.Lock()
         self._in_flight = 0
-        self._since: float | None = None  # start of the current busy span
+        self._pauses = 0
+        self._since: float | None = None  # start of the current busy span (in flight, not paused)
         self._busy = 0.0  # closed busy spans
 
+    def _update(self, *, in_flight: int = 0, pauses: int = 0) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if self._since is not None:
+                self._busy += now - self._since
+                self._since = None
+            self._in_flight += in_flight
+            self._pauses += pauses
+            if self._in_flight > 0 and self._pauses == 0:
+                self._since = now
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        if self._in_flight == 0:
-            self._since = time.perf_counter()
-        self._in_flight += 1
+        self._update(in_flight=1)
         try:
             return await self.engine.generate(prompt_ids, params)
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._busy += time.perf_counter() - self._since
-                self._since = None
+            self._update(in_flight=-1)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """A weight sync (or an offload) under way: its seconds are not busy ones."""
+        self._update(pauses=1)
+        try:
+            yield
+        finally:
+            self._update(pauses=-1)
 
     def busy_s(self) -> float:
-        since = self._since
-        return self._busy + (time.perf_counter() - since if since is not None else 0.0)
+        with self._lock:
+            since = self._since
+            return self._busy + (time.perf_counter() - since if since is not None else 0.0)
 
     @property
     def weight_version(self) -> int:

@@ -37,6 +37,7 @@ the consumed positions past it (``StepRollouts.data_consumed_ahead``).
 
 from __future__ import annotations
 
+import contextlib
 import concurrent.futures
 import dataclasses
 import datetime
@@ -449,7 +450,8 @@ class RolloutSource:
                 self._handoff.forget(f"sync/{self._syncs - 2}")  # every rank read it: they synced together since
             else:
                 self._handoff.receive(key, what="rank 0 to start the weight sync")
-            self.stage_sync.update(learner)
+            with self._engine_paused():
+                self.stage_sync.update(learner)
         elif self.rank == 0:
             self.service.sync_from(learner)
         else:
@@ -457,8 +459,13 @@ class RolloutSource:
         if self._producer is not None:  # full: the new version may admit more groups
             self.service.runner.run(self._producer.poke())
 
+    def _engine_paused(self):
+        """Rank 0: the engine's idle-share clock stops while a sync holds it (``EngineActivity.paused``)."""
+        activity = getattr(self.service, "activity", None)
+        return activity.paused() if activity is not None else contextlib.nullcontext()
+
     def engine_busy_s(self) -> float:
-        """Rank 0: seconds so far with a generation request in flight (0 elsewhere)."""
+        """Rank 0: seconds so far with a generation request in flight and no sync under way (0 elsewhere)."""
         return 0.0 if self.service is None else self.service.engine_busy_s()
 
     def close(self) -> None:

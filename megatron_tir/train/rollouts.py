@@ -91,10 +91,11 @@ class RolloutService:
         """Before a training phase: the engine pauses and frees its memory where it shares the
         trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
         if self.weight_sync is not None:
-            self.runner.run(self.weight_sync.offload())
+            with self.activity.paused():
+                self.runner.run(self.weight_sync.offload())
 
     def engine_busy_s(self) -> float:
-        """Seconds so far with at least one generation request in flight (cumulative)."""
+        """Seconds so far with at least one generation request in flight and no sync under way (cumulative)."""
         return self.activity.busy_s()
 
     @property
@@ -107,7 +108,8 @@ class RolloutService:
         (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
         if self.weight_sync is None:
             raise RuntimeError("this engine is synced per stage (RolloutSource.sync_weights on every rank)")
-        return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
+        with self.activity.paused():
+            return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
 
     def close(self) -> None:
         self._stack.close()

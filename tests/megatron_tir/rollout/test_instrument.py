@@ -55,3 +55,34 @@ def test_engine_activity_counts_time_with_a_request_in_flight_once():
     during, busy, wall = asyncio.run(main())
     # the sum of the requests would be 0.5 and 0.6 s, with the idle gap 0.7 s
     assert 0.3 <= during < 0.45 and 0.4 <= busy < 0.55 and wall >= 0.7
+
+
+def test_engine_activity_does_not_count_a_sync_as_busy():
+    """A request in flight across a sync (retracted, waiting for the new weights): the seconds inside
+    ``paused()`` are not busy ones; paused with nothing in flight counts nothing either."""
+    from megatron_tir.rollout.engines.base import Generation
+    from megatron_tir.rollout.instrument import EngineActivity
+
+    class Sleeper:
+        eos_token_ids = (0,)
+        weight_version = 0
+
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(params.max_new_tokens / 100)
+            return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
+
+    async def main():
+        meter = EngineActivity(Sleeper())
+        request = asyncio.ensure_future(meter.generate([1], SamplingParams(max_new_tokens=60)))  # 0.6 s in flight
+        await asyncio.sleep(0.1)
+        with meter.paused():  # 0.3 s of the request's span: a sync
+            await asyncio.sleep(0.3)
+            inside = meter.busy_s()
+        await request
+        with meter.paused():  # nothing in flight
+            await asyncio.sleep(0.1)
+        return inside, meter.busy_s()
+
+    inside, busy = asyncio.run(main())
+    assert 0.09 <= inside < 0.2  # only the 0.1 s before the pause
+    assert 0.28 <= busy < 0.45  # 0.6 s in flight minus the 0.3 s paused
