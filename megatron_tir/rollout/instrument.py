@@ -107,7 +107,7 @@ class EngineActivity:
 
     @contextlib.contextmanager
     def paused(self):
-        """A weight sync (or an offload) under way: its seconds are not busy ones."""
+        """A weight sync under way: its seconds are not busy ones."""
         self._update(pauses=1)
         try:
             yield

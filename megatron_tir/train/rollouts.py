@@ -91,8 +91,7 @@ class RolloutService:
         """Before a training phase: the engine pauses and frees its memory where it shares the
         trainer's devices (colocated SGLang, the local engine); ``sync_from`` takes it back."""
         if self.weight_sync is not None:
-            with self.activity.paused():
-                self.runner.run(self.weight_sync.offload())
+            self.runner.run(self.weight_sync.offload())
 
     def engine_busy_s(self) -> float:
         """Seconds so far with at least one generation request in flight and no sync under way (cumulative)."""

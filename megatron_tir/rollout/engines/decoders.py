@@ -176,8 +176,7 @@ class SlotDecoder:
         # For steps of at most `small_rows` rows: the q/k/v, o, gate/up and lm_head weights
         # transposed (``[in, out]`` contiguous copies, refreshed by weights_changed()).
         with torch.no_grad():
-            self.small = [tuple(w.detach().t().contiguous() for w in (qkv_w, layer.self_attn.o_proj.weight, gate_up_w))
-                          for layer, ((qkv_w, _), (gate_up_w, _)) in zip(self.layers, self.fused, strict=True)]
+            self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
             self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
 
     # At most this many rows, a step reads the q/k/v, o, gate/up and lm_head weights from the
@@ -189,11 +188,16 @@ class SlotDecoder:
     # bench/bench_engine.py). The copies cost ~430 MB for SmolLM2-135M in float32.
     small_rows = 2
 
+    def _small_sources(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer, the weights the transposed copies hold: fused q/k/v, o, fused gate/up."""
+        return [(qkv_w, layer.self_attn.o_proj.weight, gate_up_w)
+                for layer, ((qkv_w, _), (gate_up_w, _)) in zip(self.layers, self.fused, strict=True)]
+
     @torch.inference_mode()
     def weights_changed(self) -> None:
         """Refresh the transposed copies from the model's weights (after an in-place update)."""
-        for layer, ((qkv_w, _), (gate_up_w, _)), copies in zip(self.layers, self.fused, self.small, strict=True):
-            for source, copy in zip((qkv_w, layer.self_attn.o_proj.weight, gate_up_w), copies, strict=True):
+        for sources, copies in zip(self._small_sources(), self.small, strict=True):
+            for source, copy in zip(sources, copies, strict=True):
                 copy.copy_(source.t())
         self.small_lm_head.copy_(self.model.lm_head.weight.t())
 

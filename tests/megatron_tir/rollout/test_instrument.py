@@ -29,18 +29,21 @@ def test_records_what_the_wrapped_engine_returned(smollm2_tokenizer):
     assert c.finish_reason is FinishReason.LENGTH and c.t_end >= c.t_start
 
 
+class Sleeper:
+    """An engine whose request takes ``max_new_tokens / 100`` seconds and generates nothing."""
+    eos_token_ids = (0,)
+    weight_version = 0
+
+    async def generate(self, prompt_ids, params):
+        from megatron_tir.rollout.engines.base import Generation
+
+        await asyncio.sleep(params.max_new_tokens / 100)
+        return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
+
+
 def test_engine_activity_counts_time_with_a_request_in_flight_once():
     """Two overlapping requests, a gap, a third: busy = the union of their spans (by the clock)."""
-    from megatron_tir.rollout.engines.base import Generation
     from megatron_tir.rollout.instrument import EngineActivity
-
-    class Sleeper:
-        eos_token_ids = (0,)
-        weight_version = 0
-
-        async def generate(self, prompt_ids, params):
-            await asyncio.sleep(params.max_new_tokens / 100)
-            return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
 
     async def main():
         meter = EngineActivity(Sleeper())
@@ -60,16 +63,7 @@ def test_engine_activity_counts_time_with_a_request_in_flight_once():
 def test_engine_activity_does_not_count_a_sync_as_busy():
     """A request in flight across a sync (retracted, waiting for the new weights): the seconds inside
     ``paused()`` are not busy ones; paused with nothing in flight counts nothing either."""
-    from megatron_tir.rollout.engines.base import Generation
     from megatron_tir.rollout.instrument import EngineActivity
-
-    class Sleeper:
-        eos_token_ids = (0,)
-        weight_version = 0
-
-        async def generate(self, prompt_ids, params):
-            await asyncio.sleep(params.max_new_tokens / 100)
-            return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
 
     async def main():
         meter = EngineActivity(Sleeper())

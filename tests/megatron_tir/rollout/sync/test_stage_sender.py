@@ -22,19 +22,6 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def slow_wire(monkeypatch, seconds: float) -> list:
-    """The real (gloo) broadcast, then ``seconds`` on the wire: what each call sent, in order."""
-    real, sent = dist.broadcast, []
-
-    def broadcast(tensor, *args, **kwargs):
-        time.sleep(seconds)
-        sent.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "broadcast", broadcast)
-    return sent
-
-
 class Sent:
     """What a finished collective's ``Work`` answers to ``wait()``."""
 
@@ -42,24 +29,24 @@ class Sent:
         return True
 
 
-def python_wire(monkeypatch, seconds: float) -> list:
-    """``seconds`` on the wire and nothing else: a one-rank broadcast moves no bytes, and gloo's own
-    ``Work`` is dropped by its worker thread a moment after ``wait()`` returns (a C++ reference the
-    sender cannot release; counted here it made this test fail in a loaded CI run). What is held to
-    the bound below is the sender's own references."""
-    sent = []
+def slow_wire(monkeypatch, seconds: float, *, real: bool = True) -> list:
+    """``seconds`` on the wire, then the real (gloo) broadcast, or none (``real=False``): what each
+    call sent, in order. Without it: a one-rank broadcast moves no bytes, and gloo's own ``Work``
+    is dropped by its worker thread a moment after ``wait()`` returns (a C++ reference the sender
+    cannot release; counted, it made the two-bucket test fail in a loaded CI run)."""
+    gloo, sent = dist.broadcast, []
 
     def broadcast(tensor, *args, **kwargs):
         time.sleep(seconds)
         sent.append(tensor.numel())
-        return Sent()
+        return gloo(tensor, *args, **kwargs) if real else Sent()
 
     monkeypatch.setattr(dist, "broadcast", broadcast)
     return sent
 
 
 def test_at_most_two_buckets_are_alive_while_the_sender_sends(one_rank_group, monkeypatch):
-    python_wire(monkeypatch, 0.02)
+    slow_wire(monkeypatch, 0.02, real=False)  # the sender's own references are what the bound holds
     alive: list[list[weakref.ref]] = []  # per bucket built: its tensors
     most = []
 
