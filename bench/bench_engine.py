@@ -18,6 +18,10 @@ step only reads the weights, so the read rate bounds it; the issue's estimate to
 the copy rate, which this CPU's read rate exceeds ~2x) and the matmul rate of one
 decode-shaped product (largest batch x hidden by hidden x intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
 2 * params * B / matmul rate); "of roofline" is tokens/s over B / that time.
+
+A third run, ``slot-keep``, is the slot decoder with ``release_idle_threads=False``: the engine
+as it was before it handed idle OpenMP teams back (megatron_tir.openmp), so the summary also
+shows what releasing them is worth.
 Prints one JSON line per run as it ends, then the roofline, one line per (batch size,
 decoder) with the medians and a summary line per batch size.
 """
@@ -38,15 +42,17 @@ log = logging.getLogger("bench_engine")
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:",
            "import numpy as np\n", "Once upon a time", "Let x = 3. Then x^2 ="]
-DECODERS = ("hf", "slot")
+# run name -> (LocalEngineConfig.decoder, LocalEngineConfig.release_idle_threads)
+VARIANTS = {"hf": ("hf", True), "slot": ("slot", True), "slot-keep": ("slot", False)}
 
 
-async def measure(model: str, decoder: str, batch_size: int, requests: int, max_new_tokens: int, threads: int) -> dict:
+async def measure(model: str, variant: str, batch_size: int, requests: int, max_new_tokens: int, threads: int) -> dict:
     from megatron_tir.rollout.engines.base import SamplingParams
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
+    decoder, release = VARIANTS[variant]
     engine = LocalEngine(LocalEngineConfig(model=model, max_batch_size=batch_size, torch_threads=threads,
-                                           decoder=decoder))
+                                           decoder=decoder, release_idle_threads=release))
     prompts = [engine.tokenizer(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))).input_ids
                for i in range(requests)]
     # min_new_tokens does not exist: count what was generated, whatever ended each request.
@@ -59,7 +65,7 @@ async def measure(model: str, decoder: str, batch_size: int, requests: int, max_
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     await engine.close()
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"model": model, "decoder": decoder, "max_batch_size": batch_size, "requests": requests,
+    return {"model": model, "decoder": variant, "max_batch_size": batch_size, "requests": requests,
             "threads": threads, "generated_tokens": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "tokens_per_cpu_s": round(tokens / cpu_seconds, 1), "params": n_params, "weight_bytes": weight_bytes}
 
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     results: dict[tuple[int, str], list[dict]] = {}
     for r in range(args.rounds):
-        order = DECODERS if r % 2 == 0 else DECODERS[::-1]
+        order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
         for size in sizes:
             for decoder in order:
                 log.info("round %d, batch size %d, decoder %s: %d requests x %d tokens",
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(json.dumps({"roofline": roof}) + "\n")
     for size in sizes:
         speeds = {}
-        for decoder in DECODERS:
+        for decoder in VARIANTS:
             runs = results[(size, decoder)]
             first = runs[0]
             speed = round(statistics.median(x["tokens_per_s"] for x in runs), 1)
@@ -151,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps(row) + "\n")
         sys.stdout.write(json.dumps({"max_batch_size": size,
                                      "slot_over_hf": round(speeds["slot"][0] / speeds["hf"][0], 2),
-                                     "slot_over_hf_per_cpu_s": round(speeds["slot"][1] / speeds["hf"][1], 2)}) + "\n")
+                                     "slot_over_hf_per_cpu_s": round(speeds["slot"][1] / speeds["hf"][1], 2),
+                                     "slot_over_slot_keep": round(speeds["slot"][0] / speeds["slot-keep"][0], 2)})
+                         + "\n")
         sys.stdout.flush()
     return 0
 

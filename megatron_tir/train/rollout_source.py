@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rollout.factory import InfrastructureError, syncs_per_stage
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.batch import weight_version_metrics
@@ -321,6 +322,7 @@ class RolloutSource:
         weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
         every rank."""
         if self.rank == 0 and step in self._pending and self._pending[step][1] is not None:
+            release_idle_threads()
             concurrent.futures.wait([self._pending[step][1]])
 
     async def _sample_round(self, rollout_cfg):
@@ -349,6 +351,7 @@ class RolloutSource:
         t0, future = self._pending.pop(step)
         tc = self.cfg.trainer
         ahead, metrics = [], {}
+        release_idle_threads()  # this thread waits for the engine's: its idle OpenMP team would slow them
         if future is not None:
             got = future.result()
             position = self.stream.position  # after the rounds: they draw prompts as they go
@@ -418,6 +421,7 @@ class RolloutSource:
         ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
                                    seed=cfg.trainer.seed + 1)
         t0 = time.perf_counter()
+        release_idle_threads()
         if self._producer is not None:  # full: the evaluation first, then generation ahead again
             self.service.runner.run(self._producer.hold(True))
         try:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rollout.engines.base import (
     DEFAULT_PAUSE_MODE,
     FinishReason,
@@ -90,6 +91,9 @@ class LocalEngineConfig:
     extra_eos_tokens: tuple[str, ...] = DEFAULT_EXTRA_EOS_TOKENS  # also end a sequence, when in the vocabulary
     attn_implementation: str = "sdpa"  # sdpa | eager
     decoder: str = "auto"  # slot | hf | auto (slot where the architecture allows); see engines.decoders
+    # hand idle OpenMP threads back: the building thread's after loading, the worker's whenever the
+    # engine runs dry (megatron_tir.openmp: two idle teams make every parallel region sleep on 2 cores)
+    release_idle_threads: bool = True
 
     def __post_init__(self) -> None:
         if not str(self.model):
@@ -182,6 +186,9 @@ class LocalEngine:
         self.released_memory: tuple[str, ...] = ()  # release/resume_memory_occupation: bookkeeping only
         self._closed = False
         self._loop_task: asyncio.Task | None = None
+        self._worker_ran = False  # the worker has stepped since its OpenMP team was last released
+        if config.release_idle_threads:
+            release_idle_threads()  # loading ran parallel ops on this thread; the worker steps from now on
         log.info("local engine ready: %s, vocab %d, eos %s, max_seq_len %d",
                  type(self.model).__name__, self.vocab_size, self.eos_token_ids, self.max_seq_len)
 
@@ -363,6 +370,10 @@ class LocalEngine:
                 await self._resumed.wait()
                 continue
             if not self._queue and not self._batch.requests:
+                if self._worker_ran and self.config.release_idle_threads:
+                    self._worker_ran = False
+                    await loop.run_in_executor(self._executor, release_idle_threads)
+                    continue  # requests may have come in meanwhile
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -375,6 +386,7 @@ class LocalEngine:
                     admitted.append(self._queue.popleft())
                 if not admitted and not self._batch.requests:
                     continue
+                self._worker_ran = True
                 try:
                     finished = await loop.run_in_executor(self._executor, self._step, admitted)
                 except Exception as exc:  # a failed forward fails its requests, not the engine

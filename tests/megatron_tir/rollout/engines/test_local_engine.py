@@ -478,3 +478,45 @@ def test_using_an_engine_from_a_second_event_loop_is_a_clear_error(make_engine, 
     run(engine.generate([1, 2], SamplingParams(max_new_tokens=2, seed=0)))
     with pytest.raises(RuntimeError, match="bound to the event loop"):
         run(engine.generate([1, 2], SamplingParams(max_new_tokens=2, seed=0)))
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_idle_openmp_teams_are_released_by_the_loading_thread_and_by_the_worker_once_idle(
+        make_engine, tiny_llama, monkeypatch, release):
+    """The engine hands idle OpenMP teams back (megatron_tir.openmp): the building thread's once
+    loaded, the worker's each time the engine runs dry -- not after every step -- and neither
+    with ``release_idle_threads=False``."""
+    import threading
+
+    import megatron_tir.rollout.engines.local as local
+
+    calls = []
+    monkeypatch.setattr(local, "release_idle_threads", lambda: calls.append(threading.current_thread().name))
+
+    async def main():
+        engine = make_engine(tiny_llama, eos_token_ids=(0,), release_idle_threads=release)
+        after_init = list(calls)
+        prompt = encode(engine, PROMPTS[0])
+        await asyncio.gather(*(engine.generate(prompt, SamplingParams(max_new_tokens=12, seed=s)) for s in range(3)))
+        for _ in range(100):  # the scheduler releases after resolving the last request
+            if len(calls) > len(after_init) or not release:
+                break
+            await asyncio.sleep(0.01)
+        after_first = list(calls)
+        await engine.generate(prompt, SamplingParams(max_new_tokens=12, seed=9))
+        for _ in range(100):
+            if len(calls) > len(after_first) or not release:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        await engine.close()
+        return after_init, after_first, list(calls)
+
+    after_init, after_first, final = run(main())
+    if not release:
+        assert final == []
+        return
+    assert after_init == [threading.current_thread().name]  # the thread that built the engine
+    # 3 requests x 12 steps and then 1 x 12: one release per time the engine ran dry, on its worker
+    assert after_first[1:] == ["local-engine_0"]
+    assert final[1:] == ["local-engine_0", "local-engine_0"]
