@@ -206,7 +206,7 @@ def test_full_mode_over_syncs_with_interruptions_on_the_local_engine(make_tiny_h
         for step in range(1, steps + 1):
             taken = await p.take(2)
             steps_taken.append(taken)
-            await asyncio.sleep(0.4)  # "training": the engine keeps generating the next groups
+            await asyncio.sleep(0.05)  # "training": the engine keeps generating the next groups (short: a fast CPU ends them first)
             await sync.update(buckets_of(sets[step], 64 << 10))
             await p.poke()
         await p.stop()
