@@ -22,6 +22,7 @@ decode-shaped product (largest batch x hidden by hidden x intermediate, the MLP'
 A third run, ``slot-keep``, is the slot decoder with ``release_idle_threads=False``: the engine
 as it was before it handed idle OpenMP teams back (megatron_tir.openmp), so the summary also
 shows what releasing them is worth.
+
 Prints one JSON line per run as it ends, then the roofline, one line per (batch size,
 decoder) with the medians and a summary line per batch size.
 """
@@ -126,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
         for size in sizes:
-            for decoder in order:
-                log.info("round %d, batch size %d, decoder %s: %d requests x %d tokens",
-                         r, size, decoder, args.requests, args.max_new_tokens)
-                result = asyncio.run(measure(args.model, decoder, size, args.requests, args.max_new_tokens,
+            for variant in order:
+                log.info("round %d, batch size %d, run %s: %d requests x %d tokens",
+                         r, size, variant, args.requests, args.max_new_tokens)
+                result = asyncio.run(measure(args.model, variant, size, args.requests, args.max_new_tokens,
                                              args.threads))
-                results.setdefault((size, decoder), []).append(result)
+                results.setdefault((size, variant), []).append(result)
                 sys.stdout.write(json.dumps({"round": r, **result}) + "\n")  # each run as it ends
                 sys.stdout.flush()
     from transformers import AutoConfig
@@ -143,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(json.dumps({"roofline": roof}) + "\n")
     for size in sizes:
         speeds = {}
-        for decoder in VARIANTS:
-            runs = results[(size, decoder)]
+        for variant in VARIANTS:
+            runs = results[(size, variant)]
             first = runs[0]
             speed = round(statistics.median(x["tokens_per_s"] for x in runs), 1)
             per_cpu = round(statistics.median(x["tokens_per_cpu_s"] for x in runs), 1)
             roof_tps = roofline_tokens_per_s(size, roof, first["params"], first["weight_bytes"])
-            speeds[decoder] = (speed, per_cpu)
+            speeds[variant] = (speed, per_cpu)
             row = {k: first[k] for k in ("model", "decoder", "max_batch_size", "requests", "threads")}
             row.update(tokens_per_s=speed, tokens_per_s_rounds=[x["tokens_per_s"] for x in runs],
                        tokens_per_cpu_s=per_cpu,

@@ -23,6 +23,8 @@ import ctypes
 import functools
 import logging
 
+import torch  # noqa: F401  (torch loads libgomp: imported first, the library is mapped when it is looked up)
+
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: keep the runtime, drop the threads
@@ -39,9 +41,12 @@ def _pause_functions() -> tuple:
     functions = []
     for path in paths:
         try:
-            functions.append(ctypes.CDLL(path).omp_pause_resource_all)  # the mapped library's own handle
+            pause = ctypes.CDLL(path).omp_pause_resource_all  # the mapped library's own handle
         except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0 has no pause
             log.debug("no omp_pause_resource_all in %s", path)
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        functions.append(pause)
     return tuple(functions)
 
 
@@ -50,10 +55,7 @@ def release_idle_threads() -> bool:
 
     Call it from a thread that has finished its parallel work for a while (it must not be inside a
     parallel region, which a Python caller never is)."""
-    import torch  # noqa: F401  (torch loads libgomp: import it first so the library is mapped)
-
     functions = _pause_functions()
     for pause in functions:
-        pause.restype = ctypes.c_int
-        pause(ctypes.c_int(OMP_PAUSE_SOFT))
+        pause(OMP_PAUSE_SOFT)
     return bool(functions)

@@ -110,6 +110,8 @@ class LocalEngineConfig:
             raise ValueError(f"eos_token_ids must be non-negative, got {self.eos_token_ids}")
         if self.attn_implementation not in _ATTN:
             raise ValueError(f"attn_implementation must be one of {_ATTN}, got {self.attn_implementation!r}")
+        if not isinstance(self.release_idle_threads, bool):
+            raise ValueError(f"release_idle_threads must be true or false, got {self.release_idle_threads!r}")
         if self.decoder not in _DECODERS:
             raise ValueError(f"decoder must be one of {_DECODERS}, got {self.decoder!r}")
         if not self.device.startswith(("cpu", "cuda")):

@@ -462,6 +462,7 @@ def test_bad_requests_raise_clear_errors(make_engine, tiny_llama):
     (dict(attn_implementation="flash"), "attn_implementation"),
     (dict(device="tpu"), "device"),
     (dict(eos_token_ids=(-1,)), "eos_token_ids"),
+    (dict(release_idle_threads="no"), "release_idle_threads"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
