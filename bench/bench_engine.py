@@ -43,17 +43,22 @@ log = logging.getLogger("bench_engine")
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:",
            "import numpy as np\n", "Once upon a time", "Let x = 3. Then x^2 ="]
-# run name -> (LocalEngineConfig.decoder, LocalEngineConfig.release_idle_threads)
-VARIANTS = {"hf": ("hf", True), "slot": ("slot", True), "slot-keep": ("slot", False)}
+# run name -> LocalEngineConfig fields. "hf-keep" is the engine as it was before this work (the HF
+# forward, idle OpenMP teams kept); "hf" the same decoder with the teams released; "slot" today's
+# engine; "slot-keep" and "slot-unpacked" today's engine without one of its two later changes.
+VARIANTS = {"hf-keep": dict(decoder="hf", release_idle_threads=False),
+            "hf": dict(decoder="hf"),
+            "slot": dict(decoder="slot"),
+            "slot-keep": dict(decoder="slot", release_idle_threads=False),
+            "slot-unpacked": dict(decoder="slot", pack_weights=False)}
 
 
 async def measure(model: str, variant: str, batch_size: int, requests: int, max_new_tokens: int, threads: int) -> dict:
     from megatron_tir.rollout.engines.base import SamplingParams
     from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 
-    decoder, release = VARIANTS[variant]
     engine = LocalEngine(LocalEngineConfig(model=model, max_batch_size=batch_size, torch_threads=threads,
-                                           decoder=decoder, release_idle_threads=release))
+                                           **VARIANTS[variant]))
     prompts = [engine.tokenizer(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))).input_ids
                for i in range(requests)]
     # min_new_tokens does not exist: count what was generated, whatever ended each request.
@@ -157,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                        roofline_tokens_per_s=round(roof_tps, 1), of_roofline=round(speed / roof_tps, 3))
             sys.stdout.write(json.dumps(row) + "\n")
         sys.stdout.write(json.dumps({"max_batch_size": size,
+                                     "slot_over_previous": round(speeds["slot"][0] / speeds["hf-keep"][0], 2),
                                      "slot_over_hf": round(speeds["slot"][0] / speeds["hf"][0], 2),
                                      "slot_over_hf_per_cpu_s": round(speeds["slot"][1] / speeds["hf"][1], 2),
-                                     "slot_over_slot_keep": round(speeds["slot"][0] / speeds["slot-keep"][0], 2)})
+                                     "slot_over_slot_keep": round(speeds["slot"][0] / speeds["slot-keep"][0], 2),
+                                     "slot_over_slot_unpacked": round(speeds["slot"][0] / speeds["slot-unpacked"][0],
+                                                                      2)})
                          + "\n")
         sys.stdout.flush()
     return 0

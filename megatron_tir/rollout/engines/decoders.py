@@ -158,7 +158,7 @@ class SlotDecoder:
     name = "slot"
     min_capacity = 128
 
-    def __init__(self, model, device: torch.device, max_rows: int) -> None:
+    def __init__(self, model, device: torch.device, max_rows: int, pack: bool = True) -> None:
         if not supports_slot_decoder(model):
             raise ValueError(f"SlotDecoder does not cover {type(model).__name__}")
         self.model, self.device, self.max_rows = model, device, max_rows
@@ -178,6 +178,12 @@ class SlotDecoder:
         with torch.no_grad():
             self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
             self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
+        # For steps of more than `small_rows` rows: every product's weight reordered into oneDNN's
+        # blocked layout (None where oneDNN cannot take it; refreshed by weights_changed()).
+        self.pack = pack and max_rows > self.small_rows and can_pack(device, self.dtype)
+        self.packed: list[tuple[torch.Tensor, ...]] | None = None
+        self.packed_lm_head: torch.Tensor | None = None
+        self._pack_weights()
 
     # At most this many rows, a step reads the q/k/v, o, gate/up and lm_head weights from the
     # transposed copies, split along the input dimension (``_split_inner``); down_proj (1536 in,
@@ -187,6 +193,19 @@ class SlotDecoder:
     # at 4 (the first seconds of a process: sustained, this CPU's clock drops; the ratios held in
     # bench/bench_engine.py). The copies cost ~430 MB for SmolLM2-135M in float32.
     small_rows = 2
+
+    def _pack_sources(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer, the weights the packed copies hold: fused q/k/v, o, fused gate/up, down."""
+        return [(qkv_w, layer.self_attn.o_proj.weight, gate_up_w, layer.mlp.down_proj.weight)
+                for layer, ((qkv_w, _), (gate_up_w, _)) in zip(self.layers, self.fused, strict=True)]
+
+    @torch.inference_mode()
+    def _pack_weights(self) -> None:
+        if not self.pack:
+            return
+        rows = self.max_rows  # oneDNN picks its blocking for this many rows; any count runs on it
+        self.packed = [tuple(_pack(w, rows) for w in sources) for sources in self._pack_sources()]
+        self.packed_lm_head = _pack(self.model.lm_head.weight, rows)
 
     def _small_sources(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per layer, the weights the transposed copies hold: fused q/k/v, o, fused gate/up."""
@@ -200,6 +219,7 @@ class SlotDecoder:
             for source, copy in zip(sources, copies, strict=True):
                 copy.copy_(source.t())
         self.small_lm_head.copy_(self.model.lm_head.weight.t())
+        self._pack_weights()
 
     def _reserve(self, state: SlotState | None, rows: int, longest: int) -> SlotState:
         """``state`` with room for ``rows`` slots of ``longest`` columns (capacity grows by doubling)."""
@@ -255,13 +275,19 @@ class SlotDecoder:
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         small = rows <= self.small_rows
+        packed = not small and self.packed is not None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self.fused[i]
             if small:
                 qkv_t, o_t, gate_up_t = self.small[i]
+                down = mlp.down_proj.weight
+            elif packed:
+                qkv_w, o_w, gate_up_w, down = self.packed[i]
+            else:
+                o_w, down = attn.o_proj.weight, mlp.down_proj.weight
             x = _rms_norm(layer.input_layernorm, hidden)
-            qkv = _split_inner(x, qkv_t, qkv_b) if small else _split_linear(x, qkv_w, qkv_b)
+            qkv = _split_inner(x, qkv_t, qkv_b) if small else _linear(x, qkv_w, qkv_b)
             qkv = qkv.view(rows, qk_heads + kv_heads, head_dim)
             qk = qkv[:, :qk_heads]
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # RoPE on q and k at once
@@ -277,17 +303,16 @@ class SlotDecoder:
                 qk[:, :heads, None], layer_keys[:rows, :, :width], layer_values[:rows, :, :width],
                 attn_mask=mask, scale=self.scaling, enable_gqa=gqa)  # [B, heads, 1, head_dim]
             out = out.reshape(rows, heads * head_dim)
-            hidden = hidden + (_split_inner(out, o_t, attn.o_proj.bias) if small
-                               else _split_linear(out, attn.o_proj.weight, attn.o_proj.bias))
+            hidden = hidden + (_split_inner(out, o_t, attn.o_proj.bias) if small else _linear(out, o_w, attn.o_proj.bias))
             x = _rms_norm(layer.post_attention_layernorm, hidden)
-            gate_up = _split_inner(x, gate_up_t, gate_up_b) if small else _split_linear(x, gate_up_w, gate_up_b)
+            gate_up = _split_inner(x, gate_up_t, gate_up_b) if small else _linear(x, gate_up_w, gate_up_b)
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = hidden + _split_linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            hidden = hidden + _linear(mlp.act_fn(gate) * up, down, mlp.down_proj.bias)
         state.lengths = [n + 1 for n in lengths]
         hidden = _rms_norm(self.body.norm, hidden)
         if small:
             return _split_inner(hidden, self.small_lm_head, self.model.lm_head.bias)
-        return _split_linear(hidden, self.model.lm_head.weight, self.model.lm_head.bias)
+        return _linear(hidden, self.packed_lm_head if packed else self.model.lm_head.weight, self.model.lm_head.bias)
 
     @torch.inference_mode()
     def keep_rows(self, state: SlotState, keep: list[int]) -> tuple[SlotState | None, list[int]]:
@@ -309,6 +334,26 @@ class SlotDecoder:
             order[hole] = mover
         state.lengths = [state.lengths[j] for j in order]
         return state, order
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can run this device's float32 decode products over reordered weights."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` ([out, in], float32) reordered into oneDNN's blocked layout for ``rows``-row products
+    (an opaque mkldnn tensor; the op inductor's CPU weight freezing uses)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A decode product over a weight packed by :func:`_pack` (oneDNN's float32 inner product) or
+    over a plain ``[out, in]`` weight (:func:`_split_linear`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return _split_linear(x, weight, bias)
 
 
 def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
+from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, can_pack, supports_slot_decoder
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
@@ -87,3 +87,33 @@ def test_split_linear_is_f_linear(threads, shape):
         torch.testing.assert_close(_split_linear(x, strided, bias), F.linear(x, strided, bias))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 16, 21])  # packed for 16 rows: fewer and more run on it too
+def test_packed_linear_is_f_linear(rows):
+    """A product over a oneDNN-packed weight: F.linear's values with and without bias, at row counts
+    other than the one it was packed for; an unpacked weight goes to the split product."""
+    from megatron_tir.rollout.engines.decoders import _linear, _pack
+
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, 96), (40, 96), (40,)))
+    packed = _pack(weight, 16)
+    assert packed.is_mkldnn and not weight.is_mkldnn
+    for b in (None, bias):
+        torch.testing.assert_close(_linear(x, packed, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_linear(x, weight, b), F.linear(x, weight, b), atol=1e-6, rtol=1e-6)
+    assert torch.equal(_linear(x[:1], packed, bias), _linear(x, packed, bias)[:1])  # a row's value ignores the others
+
+
+def test_the_slot_decoder_packs_only_where_steps_can_use_it(tiny_qwen2):
+    """Packed copies exist for more than `small_rows` rows in float32 on CPU, never for a decoder whose
+    steps all take the transposed copies, nor with pack=False, nor in bfloat16."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    cpu = torch.device("cpu")
+    expected = can_pack(cpu, torch.float32)
+    decoder = SlotDecoder(model, cpu, max_rows=4)
+    assert (decoder.packed is not None) is expected and (decoder.packed_lm_head is not None) is expected
+    assert SlotDecoder(model, cpu, max_rows=SlotDecoder.small_rows).packed is None
+    assert SlotDecoder(model, cpu, max_rows=4, pack=False).packed is None
+    assert not can_pack(cpu, torch.bfloat16) and not can_pack(torch.device("meta"), torch.float32)

@@ -208,7 +208,9 @@ def test_eos_length_and_context_limit(make_engine, tiny_llama):
 
 
 def test_update_weights_changes_outputs_like_a_reloaded_model(make_engine, tiny_qwen2, tmp_path):
-    """After update_weights the engine's log-probs equal a fresh HF model holding the same weights."""
+    """After update_weights the engine's log-probs equal a fresh HF model holding the same weights,
+    for one row (the slot decoder's transposed copies) and for three rows decoded together (its
+    oneDNN-packed copies): both are refreshed from the updated weights."""
     new_model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     torch.manual_seed(1)
     with torch.no_grad():
@@ -225,15 +227,18 @@ def test_update_weights_changes_outputs_like_a_reloaded_model(make_engine, tiny_
         before = await engine.generate(prompt, params)
         await engine.update_weights(iter(named))
         after = await engine.generate(prompt, params)
+        together = [encode(engine, p) for p in PROMPTS[:3]]
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in together))
         version = engine.weight_version
         await engine.close()
-        return prompt, before, after, version
+        return prompt, before, after, version, list(zip(together, outs))
 
-    prompt, before, after, version = run(main())
+    prompt, before, after, version, together = run(main())
     assert version == 1 and after.meta["weight_version"] == 1
     assert after.logprobs != before.logprobs
-    ref = reference_logprobs(new_model, prompt, after.token_ids, 1.0)
-    torch.testing.assert_close(torch.tensor(after.logprobs), ref, atol=1e-4, rtol=0)
+    for p, out in [(prompt, after), *together]:
+        ref = reference_logprobs(new_model, p, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
 
 
 def test_update_weights_tied_head_alias(make_engine, tiny_llama):
@@ -463,6 +468,7 @@ def test_bad_requests_raise_clear_errors(make_engine, tiny_llama):
     (dict(device="tpu"), "device"),
     (dict(eos_token_ids=(-1,)), "eos_token_ids"),
     (dict(release_idle_threads="no"), "release_idle_threads"),
+    (dict(pack_weights=1), "pack_weights"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
