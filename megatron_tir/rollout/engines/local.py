@@ -531,4 +531,4 @@ class LocalEngine:
         for name, tensor in updates:
             self._params[name].copy_(tensor)
         if isinstance(self._decoder, SlotDecoder):
-            self._decoder.weights_changed()
+            self._decoder.weights_changed([self._params[name] for name, _ in updates])

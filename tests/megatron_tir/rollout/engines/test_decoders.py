@@ -117,3 +117,38 @@ def test_the_slot_decoder_packs_only_where_steps_can_use_it(tiny_qwen2):
     assert SlotDecoder(model, cpu, max_rows=SlotDecoder.small_rows).packed is None
     assert SlotDecoder(model, cpu, max_rows=4, pack=False).packed is None
     assert not can_pack(cpu, torch.bfloat16) and not can_pack(torch.device("meta"), torch.float32)
+
+
+def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_qwen2):
+    """weights_changed(tensors) rebuilds the transposed and packed copies whose weight shares memory
+    with a written tensor (q_proj's weight is a view of the fused q/k/v) and leaves the others alone;
+    weights_changed() refreshes all."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval().requires_grad_(False)
+    decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4)
+    packed_before = [list(p) for p in decoder.packed] if decoder.packed is not None else None
+    small_before = [[c.clone() for c in copies] for copies in decoder.small]
+    q = model.model.layers[1].self_attn.q_proj.weight
+    with torch.no_grad():
+        q.add_(1.0)
+        model.model.layers[0].mlp.down_proj.weight.add_(1.0)  # written but not named: must stay stale
+    decoder.weights_changed([q])
+    qkv_w = decoder.fused[1][0][0]
+    torch.testing.assert_close(decoder.small[1][0], qkv_w.t(), rtol=0, atol=0)
+    for layer, copies in enumerate(decoder.small):
+        for j, copy in enumerate(copies):
+            if (layer, j) != (1, 0):
+                assert torch.equal(copy, small_before[layer][j])
+    if packed_before is not None:
+        for layer, copies in enumerate(decoder.packed):
+            for j, copy in enumerate(copies):
+                assert (copy is packed_before[layer][j]) is ((layer, j) != (1, 0))
+        down_before = packed_before[0][3]
+        decoder.weights_changed()
+        assert all(copy is not before for copies, old in zip(decoder.packed, packed_before)
+                   for copy, before in zip(copies, old))
+        x = torch.randn(3, model.config.intermediate_size)
+        down = model.model.layers[0].mlp.down_proj.weight
+        torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, decoder.packed[0][3], None, "none", [], ""),
+                                   F.linear(x, down), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(torch.ops.mkldnn._linear_pointwise(x, down_before, None, "none", [], ""),
+                                  F.linear(x, down), atol=1e-3)

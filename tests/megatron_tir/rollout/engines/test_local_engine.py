@@ -210,7 +210,8 @@ def test_eos_length_and_context_limit(make_engine, tiny_llama):
 def test_update_weights_changes_outputs_like_a_reloaded_model(make_engine, tiny_qwen2, tmp_path):
     """After update_weights the engine's log-probs equal a fresh HF model holding the same weights,
     for one row (the slot decoder's transposed copies) and for three rows decoded together (its
-    oneDNN-packed copies): both are refreshed from the updated weights."""
+    oneDNN-packed copies): both are refreshed from the updated weights. The update arrives in two
+    buckets, as a weight sync sends it, and each refreshes only its own weights' copies."""
     new_model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     torch.manual_seed(1)
     with torch.no_grad():
@@ -225,7 +226,9 @@ def test_update_weights_changes_outputs_like_a_reloaded_model(make_engine, tiny_
         prompt = encode(engine, PROMPTS[0])
         params = SamplingParams(max_new_tokens=10, temperature=0.0)
         before = await engine.generate(prompt, params)
-        await engine.update_weights(iter(named))
+        half = len(named) // 2
+        await engine.update_weights(iter(named[:half]))
+        await engine.update_weights(iter(named[half:]))
         after = await engine.generate(prompt, params)
         together = [encode(engine, p) for p in PROMPTS[:3]]
         outs = await asyncio.gather(*(engine.generate(p, params) for p in together))
@@ -234,7 +237,7 @@ def test_update_weights_changes_outputs_like_a_reloaded_model(make_engine, tiny_
         return prompt, before, after, version, list(zip(together, outs))
 
     prompt, before, after, version, together = run(main())
-    assert version == 1 and after.meta["weight_version"] == 1
+    assert version == 2 and after.meta["weight_version"] == 2  # one version per update_weights call
     assert after.logprobs != before.logprobs
     for p, out in [(prompt, after), *together]:
         ref = reference_logprobs(new_model, p, out.token_ids, 1.0)
