@@ -153,14 +153,17 @@ class SlotDecoder:
     At construction the q/k/v and the gate/up projections of every layer are re-laid as
     row blocks of one contiguous matrix each (their parameters become views into it, so an
     in-place ``copy_`` of new weights still lands where the decode step reads it), which
-    makes a layer four matmuls instead of seven. At one or two rows each is split across the
-    torch threads (``_split_inner`` over transposed copies; ``_split_linear`` for down_proj); at
-    more rows, on CPU in float32, each runs as oneDNN's inner product over a copy of its weight
-    reordered once into oneDNN's blocked layout (``_pack``, the op inductor's CPU weight freezing
-    uses; ``pack=False`` or no oneDNN: ``_split_linear``). A SmolLM2-135M step at 16 rows (AMD
-    EPYC, 2 cores): 50 ms packed, the products at ~100 GFLOP/s against ~55 split; at 1 row the
-    transposed copies stay faster (24 vs 28 ms a step). Memory: the transposed copies ~430 MB
-    and the packed copies ~540 MB for SmolLM2-135M.
+    makes a layer four matmuls instead of seven. Its products run over one of two sets of weight
+    copies (refreshed by ``weights_changed``):
+
+    * an engine built for more than ``small_rows`` rows, on CPU in float32: every weight reordered
+      once into oneDNN's blocked layout (``_pack``, the op inductor's CPU weight freezing uses), each
+      product oneDNN's float32 inner product, at every row count. A SmolLM2-135M step at 16 rows
+      (AMD EPYC, 2 cores): 50 ms, the products at ~100 GFLOP/s, against ~80 ms split; at 1 row
+      28 ms against 24 with the transposed copies below. ~540 MB for SmolLM2-135M.
+    * otherwise (``pack=False``, no oneDNN, another dtype or device, or at most ``small_rows``
+      rows): at one or two rows ``_split_inner`` over transposed copies (``_split_linear`` for
+      down_proj), at more rows ``_split_linear``, each split across the torch threads. ~430 MB.
     """
 
     name = "slot"
@@ -181,16 +184,20 @@ class SlotDecoder:
         self.dtype = self.body.embed_tokens.weight.dtype
         self.fused = [(_fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                        _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in self.layers]
-        # For steps of at most `small_rows` rows: the q/k/v, o, gate/up and lm_head weights
-        # transposed (``[in, out]`` contiguous copies, refreshed by weights_changed()).
-        with torch.no_grad():
-            self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
-            self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
-        # For steps of more than `small_rows` rows: every product's weight reordered into oneDNN's
-        # blocked layout (None where oneDNN cannot take it; refreshed by weights_changed()).
+        # Steps of more than `small_rows` rows on CPU in float32 (an engine built for more rows): every
+        # product's weight reordered into oneDNN's blocked layout, used at every row count (None where
+        # oneDNN cannot take it; refreshed by weights_changed()).
         self.pack = pack and max_rows > self.small_rows and can_pack(device, self.dtype)
         self.packed: list[tuple[torch.Tensor, ...]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
+        # Otherwise, steps of at most `small_rows` rows read the q/k/v, o, gate/up and lm_head weights
+        # from transposed copies (``[in, out]`` contiguous, refreshed by weights_changed()): one of the
+        # two sets of copies, never both (each is ~0.4-0.5 GB for SmolLM2-135M).
+        self.small = self.small_lm_head = None
+        if not self.pack:
+            with torch.no_grad():
+                self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
+                self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
         self._pack_weights()
 
     # At most this many rows, a step reads the q/k/v, o, gate/up and lm_head weights from the
@@ -241,12 +248,13 @@ class SlotDecoder:
             start, end = _span(weight)
             return any(a < end and start < b for a, b in spans)
 
-        for sources, copies in zip(self._small_sources(), self.small, strict=True):
-            for source, copy in zip(sources, copies, strict=True):
-                if stale(source):
-                    copy.copy_(source.t())
-        if stale(self.model.lm_head.weight):
-            self.small_lm_head.copy_(self.model.lm_head.weight.t())
+        if self.small is not None:
+            for sources, copies in zip(self._small_sources(), self.small, strict=True):
+                for source, copy in zip(sources, copies, strict=True):
+                    if stale(source):
+                        copy.copy_(source.t())
+            if stale(self.model.lm_head.weight):
+                self.small_lm_head.copy_(self.model.lm_head.weight.t())
         self._pack_weights(stale)
 
     def _reserve(self, state: SlotState | None, rows: int, longest: int) -> SlotState:
@@ -302,8 +310,8 @@ class SlotDecoder:
         cos, sin = self.body.rotary_emb(hidden, position_ids=pos_B[:, None])  # [B, 1, head_dim]
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        small = rows <= self.small_rows
-        packed = not small and self.packed is not None
+        small = self.small is not None and rows <= self.small_rows
+        packed = self.packed is not None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self.fused[i]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, can_pack, supports_slot_decoder
+from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, _linear, can_pack, supports_slot_decoder
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
@@ -107,48 +107,53 @@ def test_packed_linear_is_f_linear(rows):
 
 
 def test_the_slot_decoder_packs_only_where_steps_can_use_it(tiny_qwen2):
-    """Packed copies exist for more than `small_rows` rows in float32 on CPU, never for a decoder whose
-    steps all take the transposed copies, nor with pack=False, nor in bfloat16."""
+    """Packed copies exist for an engine built for more than `small_rows` rows, in float32 on CPU, and
+    then no transposed copies (one set of copies, never both); a decoder built for at most
+    `small_rows` rows, pack=False or bfloat16 keeps the transposed copies instead."""
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     cpu = torch.device("cpu")
     expected = can_pack(cpu, torch.float32)
     decoder = SlotDecoder(model, cpu, max_rows=4)
     assert (decoder.packed is not None) is expected and (decoder.packed_lm_head is not None) is expected
-    assert SlotDecoder(model, cpu, max_rows=SlotDecoder.small_rows).packed is None
-    assert SlotDecoder(model, cpu, max_rows=4, pack=False).packed is None
+    assert (decoder.small is None) is expected and (decoder.small_lm_head is None) is expected
+    for other in (SlotDecoder(model, cpu, max_rows=SlotDecoder.small_rows), SlotDecoder(model, cpu, max_rows=4, pack=False)):
+        assert other.packed is None and other.small is not None
     assert not can_pack(cpu, torch.bfloat16) and not can_pack(torch.device("meta"), torch.float32)
 
 
-def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_qwen2):
-    """weights_changed(tensors) rebuilds the transposed and packed copies whose weight shares memory
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_qwen2, pack):
+    """weights_changed(tensors) rebuilds the packed (or transposed) copies whose weight shares memory
     with a written tensor (q_proj's weight is a view of the fused q/k/v) and leaves the others alone;
     weights_changed() refreshes all."""
+    if pack and not can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval().requires_grad_(False)
-    decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4)
-    packed_before = [list(p) for p in decoder.packed] if decoder.packed is not None else None
-    small_before = [[c.clone() for c in copies] for copies in decoder.small]
+    decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4, pack=pack)
+    copies = decoder.packed if pack else decoder.small
+    before = [list(c) for c in copies]
+    values = [[c.to_dense().clone() if c.is_mkldnn else c.clone() for c in layer] for layer in copies]
     q = model.model.layers[1].self_attn.q_proj.weight
+    down = model.model.layers[0].mlp.down_proj.weight
     with torch.no_grad():
         q.add_(1.0)
-        model.model.layers[0].mlp.down_proj.weight.add_(1.0)  # written but not named: must stay stale
+        down.add_(1.0)  # written but not named: its copy must stay as it was
+        model.model.layers[0].self_attn.o_proj.weight.add_(1.0)
     decoder.weights_changed([q])
-    qkv_w = decoder.fused[1][0][0]
-    torch.testing.assert_close(decoder.small[1][0], qkv_w.t(), rtol=0, atol=0)
-    for layer, copies in enumerate(decoder.small):
-        for j, copy in enumerate(copies):
-            if (layer, j) != (1, 0):
-                assert torch.equal(copy, small_before[layer][j])
-    if packed_before is not None:
-        for layer, copies in enumerate(decoder.packed):
-            for j, copy in enumerate(copies):
-                assert (copy is packed_before[layer][j]) is ((layer, j) != (1, 0))
-        down_before = packed_before[0][3]
-        decoder.weights_changed()
-        assert all(copy is not before for copies, old in zip(decoder.packed, packed_before)
-                   for copy, before in zip(copies, old))
-        x = torch.randn(3, model.config.intermediate_size)
-        down = model.model.layers[0].mlp.down_proj.weight
-        torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, decoder.packed[0][3], None, "none", [], ""),
-                                   F.linear(x, down), atol=1e-5, rtol=1e-5)
-        assert not torch.allclose(torch.ops.mkldnn._linear_pointwise(x, down_before, None, "none", [], ""),
-                                  F.linear(x, down), atol=1e-3)
+    after = decoder.packed if pack else decoder.small
+    for layer, layer_copies in enumerate(after):
+        for j, copy in enumerate(layer_copies):
+            dense = copy.to_dense() if copy.is_mkldnn else copy
+            assert torch.equal(dense, values[layer][j]) is ((layer, j) != (1, 0)), (layer, j)
+            if pack:
+                assert (copy is before[layer][j]) is ((layer, j) != (1, 0))
+    x = torch.randn(3, model.config.hidden_size)
+    qkv_w, qkv_b = decoder.fused[1][0]
+    got = _linear(x, after[1][0], qkv_b) if pack else x @ after[1][0] + qkv_b
+    torch.testing.assert_close(got, F.linear(x, qkv_w, qkv_b), atol=1e-5, rtol=1e-5)
+    decoder.weights_changed()  # all: the o_proj copy of layer 0 catches up
+    o = model.model.layers[0].self_attn.o_proj.weight
+    refreshed = (decoder.packed if pack else decoder.small)[0][1]
+    x = torch.randn(3, o.shape[1])
+    got = _linear(x, refreshed, None) if pack else x @ refreshed
+    torch.testing.assert_close(got, F.linear(x, o), atol=1e-5, rtol=1e-5)
