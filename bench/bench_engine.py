@@ -4,11 +4,10 @@
                                  [--batch-sizes 1,4,16] [--rounds 2]
 
 Each request is a distinct prompt sampled at T=1 with its own seed; all requests are
-submitted at once and the engine batches up to ``max_batch_size`` of them per step. Both
-decoders (``LocalEngineConfig.decoder``: ``hf`` is the previous implementation -- the HF
-forward over a DynamicCache grown by concatenation -- and ``slot`` the preallocated-slot
-decoder) run the same requests, interleaved round by round (ABBA order) so that load from
-other processes hits both; each figure is the median over rounds. Wall time includes
+submitted at once and the engine batches up to ``max_batch_size`` of them per step. Every
+run (below; ``hf``: the HF forward over a DynamicCache grown by concatenation, ``slot``: the
+preallocated-slot decoder) takes the same requests, interleaved round by round (ABBA order)
+so that load from other processes hits all of them; each figure is the median over rounds. Wall time includes
 prefill and sampling, as a rollout sees it; tokens per CPU-second (process CPU time, all
 threads) is printed too, as the figure a loaded machine distorts least.
 
@@ -19,9 +18,10 @@ the copy rate, which this CPU's read rate exceeds ~2x) and the matmul rate of on
 decode-shaped product (largest batch x hidden by hidden x intermediate, the MLP's up projection). A step at batch B cannot beat max(weight bytes / read rate,
 2 * params * B / matmul rate); "of roofline" is tokens/s over B / that time.
 
-A third run, ``slot-keep``, is the slot decoder with ``release_idle_threads=False``: the engine
-as it was before it handed idle OpenMP teams back (megatron_tir.openmp), so the summary also
-shows what releasing them is worth.
+Five runs (``VARIANTS``): ``hf-keep`` is the engine as it was before the slot decoder's work (the
+HF forward, idle OpenMP teams kept), ``hf`` the same decoder with the teams released
+(megatron_tir.openmp), ``slot`` today's engine, ``slot-keep`` and ``slot-unpacked`` today's engine
+without the release or without the oneDNN-packed weights; the summary divides ``slot`` by each.
 
 Prints one JSON line per run as it ends, then the roofline, one line per (batch size,
 decoder) with the medians and a summary line per batch size.
@@ -51,6 +51,8 @@ VARIANTS = {"hf-keep": dict(decoder="hf", release_idle_threads=False),
             "slot": dict(decoder="slot"),
             "slot-keep": dict(decoder="slot", release_idle_threads=False),
             "slot-unpacked": dict(decoder="slot", pack_weights=False)}
+# summary key suffix -> the run "slot" is divided by
+BASELINES = {"previous": "hf-keep", "hf": "hf", "slot_keep": "slot-keep", "slot_unpacked": "slot-unpacked"}
 
 
 async def measure(model: str, variant: str, batch_size: int, requests: int, max_new_tokens: int, threads: int) -> dict:
@@ -161,14 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                        tokens_per_cpu_s=per_cpu,
                        roofline_tokens_per_s=round(roof_tps, 1), of_roofline=round(speed / roof_tps, 3))
             sys.stdout.write(json.dumps(row) + "\n")
-        sys.stdout.write(json.dumps({"max_batch_size": size,
-                                     "slot_over_previous": round(speeds["slot"][0] / speeds["hf-keep"][0], 2),
-                                     "slot_over_hf": round(speeds["slot"][0] / speeds["hf"][0], 2),
-                                     "slot_over_hf_per_cpu_s": round(speeds["slot"][1] / speeds["hf"][1], 2),
-                                     "slot_over_slot_keep": round(speeds["slot"][0] / speeds["slot-keep"][0], 2),
-                                     "slot_over_slot_unpacked": round(speeds["slot"][0] / speeds["slot-unpacked"][0],
-                                                                      2)})
-                         + "\n")
+        summary = {"max_batch_size": size}
+        for name, base in BASELINES.items():
+            summary[f"slot_over_{name}"] = round(speeds["slot"][0] / speeds[base][0], 2)
+        summary["slot_over_hf_per_cpu_s"] = round(speeds["slot"][1] / speeds["hf"][1], 2)
+        sys.stdout.write(json.dumps(summary) + "\n")
         sys.stdout.flush()
     return 0
 

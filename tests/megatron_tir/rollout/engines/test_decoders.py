@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import torch
 from megatron_tir.rollout.engines.base import FinishReason, SamplingParams
-from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, _linear, can_pack, supports_slot_decoder
+from megatron_tir.rollout.engines.decoders import (HFDecoder, SlotDecoder, _linear, _pack, can_pack,
+                                                   supports_slot_decoder)
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
@@ -94,8 +95,6 @@ def test_split_linear_is_f_linear(threads, shape):
 def test_packed_linear_is_f_linear(rows):
     """A product over a oneDNN-packed weight: F.linear's values with and without bias, at row counts
     other than the one it was packed for; an unpacked weight goes to the split product."""
-    from megatron_tir.rollout.engines.decoders import _linear, _pack
-
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, 96), (40, 96), (40,)))
     packed = _pack(weight, 16)
