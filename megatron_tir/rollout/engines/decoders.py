@@ -23,8 +23,10 @@ requests in order, ``state`` is the opaque KV cache of those rows, ``None`` when
   an attention mask grown by one column per step, rows joined by padding and
   concatenating the caches.
 
-Prefill is the HF forward in both (left-padded, per-row position ids, logits of the last
-position only); the slot decoder copies each row's K/V into its slot afterwards.
+Prefill: the HF decoder runs the HF forward (left-padded, per-row position ids, logits of the
+last position only); the slot decoder runs its own ragged prefill (every new context's tokens
+in one batch without padding, each product once over all of them, causal SDPA per row with the
+row's K/V written straight into its slot, logits of each context's last position only).
 """
 
 from __future__ import annotations
@@ -278,19 +280,54 @@ class SlotDecoder:
         return state
 
     def prefill(self, state: SlotState | None, contexts: list[list[int]]) -> tuple[SlotState, torch.Tensor]:
-        cache, _, logits_NV = _prefill_hf(self.model, contexts, self.device)
+        """Append one row per context: every context's tokens in one ragged batch (no padding), each
+        product over all of them at once (the packed weights where the engine has them), causal
+        attention row by row with its K/V written straight into the row's slot; logits of each
+        context's last position only."""
         lengths = [len(c) for c in contexts]
         old = [] if state is None else state.lengths
         state = self._reserve(state, len(old) + len(contexts), max(lengths + old) + 1)
-        width = max(lengths)
-        keys = torch.stack([layer.keys for layer in cache.layers])  # [layers, N, kv_heads, width, head_dim]
-        values = torch.stack([layer.values for layer in cache.layers])
-        for row, n in enumerate(lengths):
-            slot = len(state.lengths)
-            state.keys[:, slot, :, :n] = keys[:, row, :, width - n:]
-            state.values[:, slot, :, :n] = values[:, row, :, width - n:]
-            state.lengths.append(n)
-        return state, logits_NV
+        first, heads, kv_heads, head_dim = len(old), self.heads, self.kv_heads, self.head_dim
+        qk_heads, gqa, half = heads + kv_heads, heads != kv_heads, head_dim // 2
+        ids_T = torch.tensor([t for c in contexts for t in c], dtype=torch.long, device=self.device)
+        pos_T = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        starts = [sum(lengths[:row]) for row in range(len(lengths))]
+        tokens = len(ids_T)
+
+        hidden = self.body.embed_tokens(ids_T)  # [T, hidden]
+        cos, sin = self.body.rotary_emb(hidden, position_ids=pos_T[None, :])  # [1, T, head_dim]
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        packed = self.packed is not None
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self.fused[i]
+            o_w, down = (self.packed[i][1], self.packed[i][3]) if packed else (attn.o_proj.weight, mlp.down_proj.weight)
+            if packed:
+                qkv_w, gate_up_w = self.packed[i][0], self.packed[i][2]
+            x = _rms_norm(layer.input_layernorm, hidden)
+            qkv = _prefill_linear(x, qkv_w, qkv_b).view(tokens, qk_heads + kv_heads, head_dim)
+            qk = qkv[:, :qk_heads]
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:]
+            layer_keys, layer_values = state.keys[i], state.values[i]
+            out = torch.empty(tokens, heads, head_dim, dtype=hidden.dtype, device=self.device)
+            for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+                keys, values = layer_keys[first + row, :, :n], layer_values[first + row, :, :n]
+                keys.copy_(k[start:start + n].transpose(0, 1))
+                values.copy_(v[start:start + n].transpose(0, 1))
+                out[start:start + n] = F.scaled_dot_product_attention(
+                    q[start:start + n].transpose(0, 1)[None], keys[None], values[None], is_causal=True,
+                    scale=self.scaling, enable_gqa=gqa)[0].transpose(0, 1)
+            hidden = hidden + _prefill_linear(out.view(tokens, heads * head_dim), o_w, attn.o_proj.bias)
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            gate, up = _prefill_linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+            hidden = hidden + _prefill_linear(mlp.act_fn(gate) * up, down, mlp.down_proj.bias)
+        state.lengths = old + lengths
+        last = torch.tensor([start + n - 1 for start, n in zip(starts, lengths)], device=self.device)
+        hidden = _rms_norm(self.body.norm, hidden.index_select(0, last))
+        return state, _prefill_linear(hidden, self.packed_lm_head if packed else self.model.lm_head.weight,
+                                      self.model.lm_head.bias)
 
     def decode(self, state: SlotState, tokens_B: torch.Tensor) -> torch.Tensor:
         lengths = state.lengths
@@ -396,6 +433,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return _split_linear(x, weight, bias)
+
+
+def _prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A prefill product (many rows): over a packed weight as in decode, else the plain F.linear."""
+    return _linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
 
 
 def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -156,3 +156,31 @@ def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_
     x = torch.randn(3, o.shape[1])
     got = _linear(x, refreshed, None) if pack else x @ refreshed
     torch.testing.assert_close(got, F.linear(x, o), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_ragged_prefill_and_its_slots_match_the_hf_forward(tiny_llama, tiny_qwen2, family, pack):
+    """The slot decoder's prefill (contexts of different lengths in one ragged batch, no padding)
+    gives each context's last-position logits as a plain HF forward of that context alone, rows
+    prefilled later join the running ones, and the slots it filled decode the next token as the HF
+    forward over context + token does."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama if family == "llama" else tiny_qwen2,
+                                                 dtype=torch.float32).eval()
+    decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4, pack=pack)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (5, 1, 12, 3)]
+
+    def hf_last(ids: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+    with torch.inference_mode():
+        state, first = decoder.prefill(None, contexts[:3])
+        state, late = decoder.prefill(state, contexts[3:])
+        assert state.lengths == [len(c) for c in contexts]
+        for ids, got in zip(contexts, [*first, *late], strict=True):
+            torch.testing.assert_close(got, hf_last(ids), atol=1e-4, rtol=1e-4)
+        tokens = torch.tensor([7, 8, 9, 10])
+        stepped = decoder.decode(state, tokens)
+        for ids, token, got in zip(contexts, tokens.tolist(), stepped, strict=True):
+            torch.testing.assert_close(got, hf_last(ids + [token]), atol=1e-4, rtol=1e-4)
