@@ -134,9 +134,11 @@ def run_train_command(args: argparse.Namespace) -> int:
     exit 1; non-finite training likewise; anything else is exit 1 with its traceback in the log
     (not "bad input")."""
     from megatron_tir.finite import NonFiniteTraining
+    from megatron_tir.malloc import tune_malloc
     from megatron_tir.rollout.factory import InfrastructureError
     from megatron_tir.train.run import run_training
 
+    tune_malloc()  # freed tensor memory goes back to the system (a fixed mmap threshold: megatron_tir.malloc)
     cfg, run_dir, state = prepare(args)
     try:
         state = run_training(cfg, run_dir, state, resume=args.resume is not None)
