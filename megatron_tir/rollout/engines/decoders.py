@@ -89,7 +89,10 @@ class HFDecoder:
     def __init__(self, model, device: torch.device) -> None:
         self.model, self.device = model, device
 
-    def prefill(self, state: HFState | None, contexts: list[list[int]]) -> tuple[HFState, torch.Tensor]:
+    def prefill(self, state: HFState | None, contexts: list[list[int]],
+                reuse: list | None = None) -> tuple[HFState, torch.Tensor]:
+        if reuse is not None and any(r is not None for r in reuse):
+            raise ValueError("HFDecoder keeps no prefix cache (reuse is the slot decoder's)")
         cache, mask_BT, logits_NV = _prefill_hf(self.model, contexts, self.device)
         new = HFState(cache=cache, mask_BT=mask_BT, next_pos_B=mask_BT.sum(dim=1))
         return (new if state is None else self._merge(state, new)), logits_NV
@@ -140,6 +143,10 @@ class HFDecoder:
 
 
 # ---------------------------------------------------------------------------- slot cache
+
+
+# prefill reuse of a context's first n tokens: (a CachedPrefix or the index of an earlier context, n)
+Reuse = tuple[object, int]
 
 
 @dataclass(slots=True)
@@ -279,20 +286,42 @@ class SlotDecoder:
         state.keys, state.values = keys, values
         return state
 
-    def prefill(self, state: SlotState | None, contexts: list[list[int]]) -> tuple[SlotState, torch.Tensor]:
-        """Append one row per context: every context's tokens in one ragged batch (no padding), each
-        product over all of them at once (the packed weights where the engine has them), causal
+    def prefill(self, state: SlotState | None, contexts: list[list[int]],
+                reuse: list[Reuse | None] | None = None) -> tuple[SlotState, torch.Tensor]:
+        """Append one row per context: every context's new tokens in one ragged batch (no padding),
+        each product over all of them at once (the packed weights where the engine has them), causal
         attention row by row with its K/V written straight into the row's slot; logits of each
-        context's last position only."""
+        context's last position only.
+
+        ``reuse[i]`` (optional): ``(source, n)``, the first ``n`` tokens of context ``i`` (at most
+        ``len - 1``) are not computed but their K/V taken from ``source``: a
+        :class:`~megatron_tir.rollout.engines.prefix_cache.CachedPrefix` (copied into the slot
+        first), or the index ``j < i`` of an earlier context of this call that starts with the same
+        ``n`` tokens (copied from its slot layer by layer, once that layer's K/V are written)."""
         lengths = [len(c) for c in contexts]
+        reuse = reuse or [None] * len(contexts)
+        skip = [0 if r is None else r[1] for r in reuse]
+        for i, (n, k, r) in enumerate(zip(lengths, skip, reuse, strict=True)):
+            if not 0 <= k < n or (r is not None and isinstance(r[0], int) and not 0 <= r[0] < i):
+                raise ValueError(f"prefill: bad reuse {r!r} for context {i} of length {n}")
         old = [] if state is None else state.lengths
         state = self._reserve(state, len(old) + len(contexts), max(lengths + old) + 1)
         first, heads, kv_heads, head_dim = len(old), self.heads, self.kv_heads, self.head_dim
         qk_heads, gqa, half = heads + kv_heads, heads != kv_heads, head_dim // 2
-        ids_T = torch.tensor([t for c in contexts for t in c], dtype=torch.long, device=self.device)
-        pos_T = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        starts = [sum(lengths[:row]) for row in range(len(lengths))]
+        news = [n - k for n, k in zip(lengths, skip)]
+        ids_T = torch.tensor([t for c, k in zip(contexts, skip) for t in c[k:]], dtype=torch.long, device=self.device)
+        pos_T = torch.cat([torch.arange(k, n, device=self.device) for n, k in zip(lengths, skip)])
+        starts = [sum(news[:row]) for row in range(len(news))]
         tokens = len(ids_T)
+        siblings = [(first + row, first + r[0], r[1]) for row, r in enumerate(reuse)
+                    if r is not None and isinstance(r[0], int) and r[1]]
+        for row, r in enumerate(reuse):
+            if r is not None and not isinstance(r[0], int) and r[1]:
+                state.keys[:, first + row, :, :r[1]] = r[0].keys[:, :, :r[1]]
+                state.values[:, first + row, :, :r[1]] = r[0].values[:, :, :r[1]]
+        masks = [None if k == 0 else  # key column c is visible to the query at position k + q iff c <= k + q
+                 torch.arange(n, device=self.device)[None, :] <= torch.arange(k, n, device=self.device)[:, None]
+                 for n, k in zip(lengths, skip)]
 
         hidden = self.body.embed_tokens(ids_T)  # [T, hidden]
         cos, sin = self.body.rotary_emb(hidden, position_ids=pos_T[None, :])  # [1, T, head_dim]
@@ -311,23 +340,33 @@ class SlotDecoder:
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:]
             layer_keys, layer_values = state.keys[i], state.values[i]
+            for row, (start, n, m) in enumerate(zip(starts, lengths, news, strict=True)):
+                layer_keys[first + row, :, n - m:n].copy_(k[start:start + m].transpose(0, 1))
+                layer_values[first + row, :, n - m:n].copy_(v[start:start + m].transpose(0, 1))
+            for slot, source, n in siblings:  # in row order: a source's own columns are complete
+                layer_keys[slot, :, :n] = layer_keys[source, :, :n]
+                layer_values[slot, :, :n] = layer_values[source, :, :n]
             out = torch.empty(tokens, heads, head_dim, dtype=hidden.dtype, device=self.device)
-            for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+            for row, (start, n, m) in enumerate(zip(starts, lengths, news, strict=True)):
                 keys, values = layer_keys[first + row, :, :n], layer_values[first + row, :, :n]
-                keys.copy_(k[start:start + n].transpose(0, 1))
-                values.copy_(v[start:start + n].transpose(0, 1))
-                out[start:start + n] = F.scaled_dot_product_attention(
-                    q[start:start + n].transpose(0, 1)[None], keys[None], values[None], is_causal=True,
-                    scale=self.scaling, enable_gqa=gqa)[0].transpose(0, 1)
+                out[start:start + m] = F.scaled_dot_product_attention(
+                    q[start:start + m].transpose(0, 1)[None], keys[None], values[None], attn_mask=masks[row],
+                    is_causal=masks[row] is None, scale=self.scaling, enable_gqa=gqa)[0].transpose(0, 1)
             hidden = hidden + _prefill_linear(out.view(tokens, heads * head_dim), o_w, attn.o_proj.bias)
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate, up = _prefill_linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
             hidden = hidden + _prefill_linear(mlp.act_fn(gate) * up, down, mlp.down_proj.bias)
         state.lengths = old + lengths
-        last = torch.tensor([start + n - 1 for start, n in zip(starts, lengths)], device=self.device)
+        last = torch.tensor([start + m - 1 for start, m in zip(starts, news)], device=self.device)
         hidden = _rms_norm(self.body.norm, hidden.index_select(0, last))
         return state, _prefill_linear(hidden, self.packed_lm_head if packed else self.model.lm_head.weight,
                                       self.model.lm_head.bias)
+
+    @staticmethod
+    def row_kv(state: SlotState, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row ``row``'s cached K/V, ``[layers, kv_heads, length, head_dim]`` each."""
+        n = state.lengths[row]
+        return state.keys[:, row, :, :n].clone(), state.values[:, row, :, :n].clone()
 
     def decode(self, state: SlotState, tokens_B: torch.Tensor) -> torch.Tensor:
         lengths = state.lengths

@@ -184,3 +184,42 @@ def test_ragged_prefill_and_its_slots_match_the_hf_forward(tiny_llama, tiny_qwen
         stepped = decoder.decode(state, tokens)
         for ids, token, got in zip(contexts, tokens.tolist(), stepped, strict=True):
             torch.testing.assert_close(got, hf_last(ids + [token]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_prefill_reusing_cached_and_sibling_prefixes_matches_the_hf_forward(tiny_qwen2, pack):
+    """Contexts whose first tokens' K/V come from a cached row (PrefixCache's entries) or from an
+    earlier context of the same prefill give the last-position logits of a plain HF forward of the
+    whole context, and their slots decode the next token as the HF forward does; a reuse that leaves
+    nothing to compute, or names a later context, is refused."""
+    from megatron_tir.rollout.engines.prefix_cache import CachedPrefix
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4, pack=pack)
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(1, 200, (9,), generator=gen).tolist()
+
+    def hf_last(ids: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+    with torch.inference_mode():
+        state, _ = decoder.prefill(None, [base])
+        keys, values = SlotDecoder.row_kv(state, 0)
+        assert keys.shape[2] == len(base)
+        entry = CachedPrefix(tokens=base, keys=keys, values=values)
+        turn2 = base + [5, 6, 7]  # the cached row's tokens, then feedback
+        sibling = base[:6] + [9, 9]  # shares 6 tokens with the cached row and with turn2
+        fresh = torch.randint(1, 200, (4,), generator=gen).tolist()
+        contexts = [turn2, fresh, sibling[:4] + [1], sibling]
+        reuse = [(entry, len(base)), None, (0, 4), (0, 6)]
+        state, logits = decoder.prefill(None, contexts, reuse=reuse)
+        for ids, got in zip(contexts, logits, strict=True):
+            torch.testing.assert_close(got, hf_last(ids), atol=1e-4, rtol=1e-4)
+        tokens = torch.tensor([3, 4, 5, 6])
+        stepped = decoder.decode(state, tokens)
+        for ids, token, got in zip(contexts, tokens.tolist(), stepped, strict=True):
+            torch.testing.assert_close(got, hf_last(ids + [token]), atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="bad reuse"):
+            decoder.prefill(None, [base], reuse=[(entry, len(base))])
+        with pytest.raises(ValueError, match="bad reuse"):
+            decoder.prefill(None, [base, base], reuse=[(1, 3), None])
