@@ -20,7 +20,8 @@ on rank 0 (the servers have loaded every tensor and resumed):
 * ``rank0_flat``: the same hop through rank 0, but flattened buckets (separates the two effects);
 * ``plain``: a plain copy of the same bytes over the same transport -- one gloo broadcast of
   one preallocated buffer of all the weights from one process to N bare receiver processes
-  (no HTTP, no session, no conversion, no load).
+  (no HTTP, no session, no conversion, no load); timed ``--reps`` times before the syncs and
+  ``--reps`` times after them (after a warm-up each), the median of all.
 
 Every sync pauses with ``retract`` (no request is in flight: an ``abort`` pause would add the
 fake's 0.3 s abort drain to every sync, the same for every mode).
@@ -46,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SERVER = ROOT / "tests" / "megatron_tir" / "rollout" / "engines" / "fake_sglang.py"
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         model = write_model(tmp / "model", args.hidden, args.layers)
         servers = start_servers(model, args.servers, tmp)
         try:
+            nbytes = sum(t.numel() * t.element_size() for t in load_file(model / "model.safetensors").values())
+            plain_times = plain_copies(nbytes, args.servers, args.reps + 1)[1:]  # before the syncs (servers idle)
             for pp in (1, 2):
                 out = tmp / f"pp{pp}.pt"
                 run_ranks(bench_ranks, pp, str(model), [s.url for s in servers], args.bucket_mb << 20, args.reps,
@@ -229,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for s in servers:
                 s.stop()
-        nbytes = results[1]["bytes"]
-        plain = statistics.median(plain_copies(nbytes, args.servers, args.reps + 1)[1:])
+        if nbytes != results[1]["bytes"]:
+            raise SystemExit(f"bench_weight_sync: the model file holds {nbytes} bytes, the syncs sent {results[1]['bytes']}")
+        plain_times += plain_copies(nbytes, args.servers, args.reps + 1)[1:]  # and after them
+        plain = statistics.median(plain_times)
     print(json.dumps({"part": "plain", "servers": args.servers, "bytes": nbytes, "s": round(plain, 4),
-                      "GB/s": round(nbytes / plain / 1e9, 3)}))
+                      "GB/s": round(nbytes / plain / 1e9, 3), "runs_s": [round(t, 4) for t in plain_times]}))
     ratios = {}
     for pp, r in results.items():
         med = {m: statistics.median(t) for m, t in r["times"].items()}

@@ -163,7 +163,7 @@ class SlotDecoder:
     row blocks of one contiguous matrix each (their parameters become views into it, so an
     in-place ``copy_`` of new weights still lands where the decode step reads it), which
     makes a layer four matmuls instead of seven. Its products run over one of two sets of weight
-    copies (refreshed by ``weights_changed``):
+    copies (marked stale by ``weights_changed``, rebuilt once at the next step):
 
     * an engine built for more than ``small_rows`` rows, on CPU in float32: every weight reordered
       once into oneDNN's blocked layout (``_pack``, the op inductor's CPU weight freezing uses), each
@@ -195,12 +195,12 @@ class SlotDecoder:
                        _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in self.layers]
         # Steps of more than `small_rows` rows on CPU in float32 (an engine built for more rows): every
         # product's weight reordered into oneDNN's blocked layout, used at every row count (None where
-        # oneDNN cannot take it; refreshed by weights_changed()).
+        # oneDNN cannot take it; rebuilt after weights_changed()).
         self.pack = pack and max_rows > self.small_rows and can_pack(device, self.dtype)
         self.packed: list[tuple[torch.Tensor, ...]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
         # Otherwise, steps of at most `small_rows` rows read the q/k/v, o, gate/up and lm_head weights
-        # from transposed copies (``[in, out]`` contiguous, refreshed by weights_changed()): one of the
+        # from transposed copies (``[in, out]`` contiguous, rebuilt after weights_changed()): one of the
         # two sets of copies, never both (each is ~0.4-0.5 GB for SmolLM2-135M).
         self.small = self.small_lm_head = None
         if not self.pack:
@@ -208,6 +208,8 @@ class SlotDecoder:
                 self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
                 self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
         self._pack_weights()
+        # what weights_changed() marked: True nothing, None every copy, else the written tensors' spans
+        self._stale: bool | list[tuple[int, int]] | None = True
 
     # At most this many rows, a step reads the q/k/v, o, gate/up and lm_head weights from the
     # transposed copies, split along the input dimension (``_split_inner``); down_proj (1536 in,
@@ -240,16 +242,27 @@ class SlotDecoder:
         return [(qkv_w, layer.self_attn.o_proj.weight, gate_up_w)
                 for layer, ((qkv_w, _), (gate_up_w, _)) in zip(self.layers, self.fused, strict=True)]
 
-    @torch.inference_mode()
     def weights_changed(self, changed: Iterable[torch.Tensor] | None = None) -> None:
-        """Refresh the transposed and packed copies of the weights just written in place.
+        """Mark the transposed and packed copies of the weights just written in place as stale.
 
         ``changed``: the model's tensors that were written (any view of a weight names it: q_proj's
         weight names the fused q/k/v matrix, a tied embedding the lm_head: memory is compared);
-        None: every weight.
-        A weight sync arrives in buckets, so each refresh touches only its bucket's copies.
+        None: every weight. Nothing is rebuilt here: the next ``prefill`` or ``decode`` (or
+        ``refresh``) rebuilds each stale copy once. A weight sync arrives in buckets (a fused
+        matrix's parts may come in several), so a sync of any number of buckets costs one refresh
+        of the copies it wrote, at the first step after it, and each bucket's load is a copy.
         """
-        spans = None if changed is None else [_span(t) for t in changed]
+        if changed is None or self._stale is None:  # every copy (now or already)
+            self._stale = None
+        else:
+            self._stale = ([] if self._stale is True else self._stale) + [_span(t) for t in changed]
+
+    @torch.inference_mode()
+    def refresh(self) -> None:
+        """Rebuild the copies ``weights_changed`` marked stale (a no-op when none are)."""
+        spans, self._stale = self._stale, True
+        if spans is True:
+            return
 
         def stale(weight: torch.Tensor) -> bool:  # the weight's memory overlaps a written tensor's
             if spans is None:
@@ -298,6 +311,7 @@ class SlotDecoder:
         :class:`~megatron_tir.rollout.engines.prefix_cache.CachedPrefix` (copied into the slot
         first), or the index ``j < i`` of an earlier context of this call that starts with the same
         ``n`` tokens (copied from its slot layer by layer, once that layer's K/V are written)."""
+        self.refresh()
         lengths = [len(c) for c in contexts]
         reuse = reuse or [None] * len(contexts)
         skip = [0 if r is None else r[1] for r in reuse]
@@ -369,6 +383,7 @@ class SlotDecoder:
         return state.keys[:, row, :, :n].clone(), state.values[:, row, :, :n].clone()
 
     def decode(self, state: SlotState, tokens_B: torch.Tensor) -> torch.Tensor:
+        self.refresh()
         lengths = state.lengths
         rows, width = len(lengths), max(lengths) + 1
         self._reserve(state, rows, width)

@@ -91,11 +91,13 @@ def drain(buckets: Iterable[Bucket]) -> None:
         pass
 
 
-def flatten(tensors: Tensors) -> torch.Tensor:
+def flatten(tensors: Tensors, out: torch.Tensor | None = None) -> torch.Tensor:
     """A bucket as one uint8 tensor, SGLang's flattened-bucket layout: each tensor's bytes in
     order (``srt/weight_sync/tensor_bucket.py`` ``FlattenedTensorBucket``; the receiver allocates
     it with ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` and views each tensor back).
-    ValueError for a tensor whose offset is not a multiple of its element size (``empty`` refuses it)."""
+    ValueError for a tensor whose offset is not a multiple of its element size (``empty`` refuses it).
+    ``out``: a uint8 buffer of at least the bucket's bytes to write several tensors into (the
+    result is its first bytes); a lone tensor is returned as a view of itself either way."""
     import torch
 
     offset, parts = 0, []
@@ -105,4 +107,10 @@ def flatten(tensors: Tensors) -> torch.Tensor:
                              f"not a multiple of {tensor.element_size()}")
         parts.append(tensor.contiguous().reshape(-1).view(torch.uint8))
         offset += parts[-1].numel()
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    if len(parts) == 1:
+        return parts[0]
+    if out is None:
+        return torch.cat(parts)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < offset:
+        raise ValueError(f"flattened bucket: out must be a 1-d uint8 tensor of at least {offset} bytes")
+    return torch.cat(parts, out=out[:offset])

@@ -60,7 +60,12 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
      out by SGLang's own ``FlattenedTensorBucket`` (``weight_sync/tensor_bucket.py``, loaded from
      the installed source); any other value receives one broadcast per tensor, as
      ``receive_weights_from_distributed`` does. ``/fake_state`` lists what arrived on which group
-     (``received``) and, with ``?weights=1``, a sha256 of every served weight.
+     (``received``) and, with ``?weights=1``, a sha256 of every served weight. The flattened
+     receive buffer is SGLang's ``FlattenedTensorBucket`` over memory kept between receives: the
+     real one allocates it with ``torch.empty(..., device=self.device)`` on the GPU
+     (``_receive_bucketed_weights_from_distributed``), where CUDA's caching allocator hands back a
+     block freed by the previous bucket; a fresh CPU allocation would instead fault in every page
+     of every bucket (~17 ms per 50 MB here), a cost the real server does not pay.
 Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
@@ -197,6 +202,7 @@ class FakeSGLangServer:
         self.groups: dict[str, Any] = {}  # weight-update groups joined (None when not really joined)
         self.scheduler_lock = asyncio.Lock()  # rule 10: one blocking scheduler request at a time
         self.received: list[dict] = []  # rule 11: per update, its group, format, names and bytes
+        self._receive_buffer = None  # rule 11: the flattened receive memory, reused (the caching allocator's part)
         self.weight_version = LAUNCH_WEIGHT_VERSION
         self._version_names = {"0": "default"}  # backend LocalEngine version -> announced weight_version
         self.radix = RadixCache()
@@ -496,8 +502,13 @@ class FakeSGLangServer:
         if group is not None:
             def receive():
                 if flattened:  # _receive_bucketed_weights_from_distributed
-                    bucket = sglang_tensor_bucket().FlattenedTensorBucket.empty(
-                        body["names"], body["dtypes"], body["shapes"], "cpu")
+                    buckets = sglang_tensor_bucket().FlattenedTensorBucket
+                    layout = buckets.empty(body["names"], body["dtypes"], body["shapes"], "meta")  # its checks
+                    nbytes = layout.get_flattened_tensor().numel()
+                    if self._receive_buffer is None or self._receive_buffer.numel() < nbytes:
+                        self._receive_buffer = None  # the old block goes before a larger one is taken
+                        self._receive_buffer = torch.empty(nbytes, dtype=torch.uint8)
+                    bucket = buckets(flattened_tensor=self._receive_buffer[:nbytes], metadata=layout.get_metadata())
                     dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
                     return bucket.reconstruct_tensors()
                 received = []
@@ -507,12 +518,12 @@ class FakeSGLangServer:
                     received.append((name, tensor))
                 return received
 
-            async with self.scheduler_lock:
+            async with self.scheduler_lock:  # the receive and the load are one scheduler request
                 received = await asyncio.get_running_loop().run_in_executor(None, receive)
-            try:
-                await self.engine.update_weights(received)
-            except ValueError as exc:
-                return _json({"success": False, "message": str(exc)}, status=400)
+                try:
+                    await self.engine.update_weights(received)  # copies out before the buffer is reused
+                except ValueError as exc:
+                    return _json({"success": False, "message": str(exc)}, status=400)
             self._version_names[str(self.engine.weight_version)] = body.get("weight_version") or self.weight_version
         return self._after_update(body, "Succeeded to update parameter online.")
 

@@ -122,9 +122,9 @@ def test_the_slot_decoder_packs_only_where_steps_can_use_it(tiny_qwen2):
 
 @pytest.mark.parametrize("pack", [True, False])
 def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_qwen2, pack):
-    """weights_changed(tensors) rebuilds the packed (or transposed) copies whose weight shares memory
-    with a written tensor (q_proj's weight is a view of the fused q/k/v) and leaves the others alone;
-    weights_changed() refreshes all."""
+    """weights_changed(tensors) marks the packed (or transposed) copies whose weight shares memory
+    with a written tensor (q_proj's weight is a view of the fused q/k/v); refresh() (the next step)
+    rebuilds those and leaves the others alone; weights_changed() marks all."""
     if pack and not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval().requires_grad_(False)
@@ -139,6 +139,13 @@ def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_
         down.add_(1.0)  # written but not named: its copy must stay as it was
         model.model.layers[0].self_attn.o_proj.weight.add_(1.0)
     decoder.weights_changed([q])
+    decoder.weights_changed([q])  # twice (two buckets): one rebuild
+    lazy = decoder.packed if pack else decoder.small
+    for layer, layer_copies in enumerate(lazy):  # nothing rebuilt before the next step
+        for j, copy in enumerate(layer_copies):
+            assert copy is before[layer][j]
+            assert torch.equal(copy.to_dense() if copy.is_mkldnn else copy, values[layer][j]), (layer, j)
+    decoder.refresh()
     after = decoder.packed if pack else decoder.small
     for layer, layer_copies in enumerate(after):
         for j, copy in enumerate(layer_copies):
@@ -150,7 +157,8 @@ def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_
     qkv_w, qkv_b = decoder.fused[1][0]
     got = _linear(x, after[1][0], qkv_b) if pack else x @ after[1][0] + qkv_b
     torch.testing.assert_close(got, F.linear(x, qkv_w, qkv_b), atol=1e-5, rtol=1e-5)
-    decoder.weights_changed()  # all: the o_proj copy of layer 0 catches up
+    decoder.weights_changed()  # all: the o_proj copy of layer 0 catches up at the next step
+    decoder.prefill(None, [[1, 2, 3]])
     o = model.model.layers[0].self_attn.o_proj.weight
     refreshed = (decoder.packed if pack else decoder.small)[0][1]
     x = torch.randn(3, o.shape[1])

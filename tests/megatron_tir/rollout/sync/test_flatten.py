@@ -57,3 +57,17 @@ def test_the_per_stage_sync_config_refuses_what_it_cannot_do(bad, message):
 
     with pytest.raises(ValueError, match=message):
         StageWeightSyncConfig(**bad)
+
+
+def test_flatten_into_a_kept_buffer_writes_its_first_bytes():
+    g = torch.Generator().manual_seed(1)
+    tensors = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(4, generator=g).to(torch.bfloat16))]
+    want = flatten(tensors)
+    out = torch.full((want.numel() + 7,), 255, dtype=torch.uint8)
+    got = flatten(tensors, out=out)
+    assert torch.equal(got, want) and got.data_ptr() == out.data_ptr()
+    assert torch.equal(out[want.numel():], torch.full((7,), 255, dtype=torch.uint8))  # the rest untouched
+    lone = torch.randn(6, generator=g)
+    assert flatten([("c", lone)], out=out).data_ptr() == lone.data_ptr()  # a lone tensor goes as it is
+    with pytest.raises(ValueError, match=f"at least {want.numel()} bytes"):
+        flatten(tensors, out=out[: want.numel() - 1])

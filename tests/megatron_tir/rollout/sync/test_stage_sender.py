@@ -64,6 +64,40 @@ def test_at_most_two_buckets_are_alive_while_the_sender_sends(one_rank_group, mo
     assert max(most) <= 1, most
 
 
+def test_flattened_buckets_reuse_two_buffers_and_each_goes_out_intact(one_rank_group, monkeypatch):
+    """On the CPU the sender flattens into two buffers kept between buckets and syncs, alternating:
+    bucket i's buffer is written again only once bucket i's bytes have gone (a copy of each broadcast
+    tensor, taken on the wire, equals SGLang's layout of that bucket), and a second sync reuses them."""
+    from megatron_tir.rollout.sync.base import flatten
+
+    gloo, wire = dist.broadcast, []
+
+    def broadcast(tensor, *args, **kwargs):
+        time.sleep(0.01)  # the builder runs ahead meanwhile
+        wire.append((tensor.data_ptr(), tensor.clone()))
+        return gloo(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+
+    def buckets(seed: int) -> list:  # each no larger than the one two before it: no buffer grows
+        g = torch.Generator().manual_seed(seed)
+        return [[(f"w{i}", torch.randn(60 - i, generator=g)), (f"b{i}", torch.randn(8, generator=g))] for i in range(5)]
+
+    sender = StageSender(backend="gloo", timeout_s=30)
+    for seed in (0, 1):
+        wire.clear()
+        expected = buckets(seed)
+        sender.send(((0, b) for b in buckets(seed)), flattened=True)
+        assert len(wire) == 5
+        for (_, got), bucket in zip(wire, expected):
+            assert torch.equal(got, flatten(bucket))
+        rings = [b.data_ptr() for b in sender.staging]
+        assert [ptr for ptr, _ in wire] == [rings[i % 2] for i in range(5)]  # two buffers, alternating
+        if seed == 0:
+            first = rings
+    assert rings == first  # kept between syncs
+
+
 def test_a_bucket_that_drifted_from_the_announced_layout_is_refused(one_rank_group, monkeypatch):
     sent = slow_wire(monkeypatch, 0)
     announced = [[("a", (2, 3)), ("b", (4,))], [("c", (5,))]]
