@@ -174,18 +174,22 @@ class LocalCluster:
             stdin=subprocess.DEVNULL, env=self._env,
         )
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, *, starting: bool = True) -> None:
+        """Until every slot is registered and free. While starting, a worker that exits is an error;
+        afterwards (``starting=False``) one the supervisor restarts is waited for (until the timeout)."""
         want = self.n_workers * self.slots_per_worker
         end = time.monotonic() + timeout_s
         with SandboxClient(self.address) as client:
             while True:
-                for i, proc in enumerate(self.workers):
-                    if proc is not None and proc.poll() is not None:
-                        raise RuntimeError(f"worker {i} exited with {proc.returncode} during start (see log)")
+                dead = [i for i, proc in enumerate(self.workers) if proc is not None and proc.poll() is not None]
+                if dead and (starting or not self.restart_workers):
+                    i = dead[0]
+                    raise RuntimeError(f"worker {i} exited with {self.workers[i].returncode} "
+                                       f"{'during start' if starting else 'and is not restarted'} (see log)")
                 if self.broker.poll() is not None:
                     raise RuntimeError(f"broker exited with {self.broker.returncode} during start")
                 status = client.status(timeout=max(1.0, end - time.monotonic()))
-                if sum(w.free for w in status.workers) >= want:
+                if not dead and sum(w.free for w in status.workers) >= want:  # a dead one: its restart first
                     return
                 if time.monotonic() > end:
                     raise RuntimeError(f"cluster not ready after {timeout_s} s: {status}")
@@ -264,8 +268,9 @@ class LocalCluster:
             return client.status()
 
     def wait_workers(self, timeout_s: float = 120.0) -> None:
-        """Block until every slot is registered and idle again (e.g. after kill_worker)."""
-        self._wait_ready(timeout_s)
+        """Block until every slot is registered and idle again (e.g. after kill_worker: a worker
+        killed a moment ago, not yet seen by the supervisor, is waited for, not an error)."""
+        self._wait_ready(timeout_s, starting=False)
 
     def close(self) -> None:
         self._closing.set()
