@@ -208,8 +208,8 @@ class SlotDecoder:
                 self.small = [tuple(w.detach().t().contiguous() for w in sources) for sources in self._small_sources()]
                 self.small_lm_head = model.lm_head.weight.detach().t().contiguous()
         self._pack_weights()
-        # what weights_changed() marked: True nothing, None every copy, else the written tensors' spans
-        self._stale: bool | list[tuple[int, int]] | None = True
+        # what weights_changed() marked: the written tensors' memory spans ([]: nothing; None: every copy)
+        self._stale: list[tuple[int, int]] | None = []
 
     # At most this many rows, a step reads the q/k/v, o, gate/up and lm_head weights from the
     # transposed copies, split along the input dimension (``_split_inner``); down_proj (1536 in,
@@ -255,13 +255,13 @@ class SlotDecoder:
         if changed is None or self._stale is None:  # every copy (now or already)
             self._stale = None
         else:
-            self._stale = ([] if self._stale is True else self._stale) + [_span(t) for t in changed]
+            self._stale.extend(_span(t) for t in changed)
 
     @torch.inference_mode()
     def refresh(self) -> None:
         """Rebuild the copies ``weights_changed`` marked stale (a no-op when none are)."""
-        spans, self._stale = self._stale, True
-        if spans is True:
+        spans, self._stale = self._stale, []
+        if spans == []:
             return
 
         def stale(weight: torch.Tensor) -> bool:  # the weight's memory overlaps a written tensor's

@@ -114,3 +114,15 @@ def flatten(tensors: Tensors, out: torch.Tensor | None = None) -> torch.Tensor:
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < offset:
         raise ValueError(f"flattened bucket: out must be a 1-d uint8 tensor of at least {offset} bytes")
     return torch.cat(parts, out=out[:offset])
+
+
+def kept_bytes(slots: list, index: int, nbytes: int) -> torch.Tensor:
+    """``slots[index]`` when it is a uint8 buffer of at least ``nbytes``, else a new one put there
+    (the old one freed first): memory kept between buckets and syncs on the CPU, where no caching
+    allocator hands a freed block to the next bucket and a fresh buffer faults in every page."""
+    import torch
+
+    if slots[index] is None or slots[index].numel() < nbytes:
+        slots[index] = None
+        slots[index] = torch.empty(nbytes, dtype=torch.uint8)
+    return slots[index]

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
-from megatron_tir.rollout.sync.base import FLATTENED, Bucket, check_bucket, flatten
+from megatron_tir.rollout.sync.base import FLATTENED, Bucket, check_bucket, flatten, kept_bytes
 from megatron_tir.rollout.sync.sglang import SYNC_PAUSE_MODES, _daemon_call, _run_sync, new_trainer_process_group
 
 if TYPE_CHECKING:
@@ -136,9 +136,8 @@ class StageSender:
         self.group = None
         self.group_name = ""
         self.sent: list[tuple[str, list[str], int]] = []  # (group, names, bytes) per bucket broadcast
-        # CPU only: the two buckets' flattening buffers, kept between buckets and syncs (on a GPU
-        # the caching allocator hands a freed bucket's block to the next one; on the CPU a fresh
-        # allocation faults in every page of every bucket, ~17 ms per 50 MB on the 2-core machine)
+        # CPU only: the two buckets' flattening buffers, kept between buckets and syncs (``kept_bytes``;
+        # on a GPU the caching allocator does it; ~17 ms per fresh 50 MB on the 2-core machine)
         self.staging: list = [None, None]
 
     def join(self, *, address: str, port: int, world_size: int, group_name: str) -> concurrent.futures.Future:
@@ -210,10 +209,8 @@ class StageSender:
                 tensors = check_bucket(bucket)
                 if layout is not None:
                     check_announced(tensors, stage=stage, index=built, layout=layout, dtype=dtype)
-                payload = ([flatten(tensors, out=self._staging_for(built, tensors))] if flattened
-                           else [t.contiguous() for _, t in tensors])
-                item = ([n for n, _ in tensors], payload)
-                payload = None
+                item = ([n for n, _ in tensors], [flatten(tensors, out=self._staging_for(built, tensors))] if flattened
+                        else [t.contiguous() for _, t in tensors])
                 bucket = tensors = None  # the builder keeps no reference to a bucket it handed over
                 pending.put(item)
                 item = None
@@ -228,16 +225,9 @@ class StageSender:
         """Bucket ``index``'s flattening buffer on the CPU (None elsewhere, or for a lone tensor,
         which goes as it is). Two alternate: bucket ``index`` takes its slot only once bucket
         ``index - 2`` has gone (``send``'s semaphore), so its buffer is free again."""
-        import torch
-
         if len(tensors) < 2 or any(t.device.type != "cpu" for _, t in tensors):
             return None
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        ring = index % 2
-        if self.staging[ring] is None or self.staging[ring].numel() < nbytes:
-            self.staging[ring] = None  # the old buffer goes before a larger one is taken
-            self.staging[ring] = torch.empty(nbytes, dtype=torch.uint8)
-        return self.staging[ring]
+        return kept_bytes(self.staging, index % 2, sum(t.numel() * t.element_size() for _, t in tensors))
 
     def leave(self) -> None:
         import torch.distributed as dist

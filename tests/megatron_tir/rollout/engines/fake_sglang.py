@@ -202,7 +202,7 @@ class FakeSGLangServer:
         self.groups: dict[str, Any] = {}  # weight-update groups joined (None when not really joined)
         self.scheduler_lock = asyncio.Lock()  # rule 10: one blocking scheduler request at a time
         self.received: list[dict] = []  # rule 11: per update, its group, format, names and bytes
-        self._receive_buffer = None  # rule 11: the flattened receive memory, reused (the caching allocator's part)
+        self._receive_buffer = [None]  # rule 11: the flattened receive memory, reused (the caching allocator's part)
         self.weight_version = LAUNCH_WEIGHT_VERSION
         self._version_names = {"0": "default"}  # backend LocalEngine version -> announced weight_version
         self.radix = RadixCache()
@@ -487,6 +487,8 @@ class FakeSGLangServer:
         import torch
         import torch.distributed as dist
 
+        from megatron_tir.rollout.sync.base import kept_bytes
+
         if not self.session_open:
             return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_distributed")},
                          status=400)
@@ -505,10 +507,8 @@ class FakeSGLangServer:
                     buckets = sglang_tensor_bucket().FlattenedTensorBucket
                     layout = buckets.empty(body["names"], body["dtypes"], body["shapes"], "meta")  # its checks
                     nbytes = layout.get_flattened_tensor().numel()
-                    if self._receive_buffer is None or self._receive_buffer.numel() < nbytes:
-                        self._receive_buffer = None  # the old block goes before a larger one is taken
-                        self._receive_buffer = torch.empty(nbytes, dtype=torch.uint8)
-                    bucket = buckets(flattened_tensor=self._receive_buffer[:nbytes], metadata=layout.get_metadata())
+                    memory = kept_bytes(self._receive_buffer, 0, nbytes)[:nbytes]
+                    bucket = buckets(flattened_tensor=memory, metadata=layout.get_metadata())
                     dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
                     return bucket.reconstruct_tensors()
                 received = []
