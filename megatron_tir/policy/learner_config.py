@@ -18,6 +18,11 @@ FP8_AMAX_ALGOS = ("most_recent", "max")  # TransformerConfig.fp8_amax_compute_al
 RECOMPUTE_GRANULARITIES = ("selective", "full")  # TransformerConfig.recompute_granularity
 RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
 FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs want token counts divisible by 16
+# Transformer Engine's FP8 check (transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec, called on each
+# Linear / LayerNormLinear / LayerNormMLP input) wants the product of an input's leading dims divisible by 8. Under
+# sequence parallelism a column-parallel layer sees the local shard [L/tp, rows, h] before its all-gather, so
+# L/tp must be a multiple of 8 whatever the row count: L a multiple of 8 x TP.
+FP8_LOCAL_SHARD_MULTIPLE = 8
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 HEADS = ("lm", "value")  # the policy's vocab-parallel LM head | a critic's one-output value head
 
@@ -39,7 +44,8 @@ class LearnerConfig:
     ``recompute_num_layers``; "selective" recomputes core attention). FP8 (Transformer Engine):
     ``fp8`` is the format, ``fp8_recipe`` / ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``
     megatron-core's names. Micro-batch lengths are padded to a multiple of
-    :attr:`pad_multiple`: TP under sequence parallelism, 16 under FP8, and ``pad_to_multiple``.
+    :attr:`pad_multiple`: TP under sequence parallelism, 16 under FP8, 8 x TP under both (Transformer Engine
+    checks the sequence-parallel local shard), and ``pad_to_multiple``.
     """
 
     model: str = "smollm2"
@@ -139,9 +145,12 @@ class LearnerConfig:
     @property
     def pad_multiple(self) -> int:
         """Micro-batch lengths are padded to a multiple of this: lcm of TP (sequence parallelism
-        splits the sequence over the TP ranks), 16 (FP8) and ``pad_to_multiple``."""
-        return math.lcm(self.tp if self.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if self.fp8 else 1,
-                        self.pad_to_multiple)
+        splits the sequence over the TP ranks), 16 (FP8), 8 x TP (FP8 with sequence parallelism: each
+        rank's shard of L/TP tokens must be a multiple of 8) and ``pad_to_multiple``."""
+        sp = self.tp if self.sequence_parallel else 1
+        fp8 = FP8_TOKEN_MULTIPLE if self.fp8 else 1
+        fp8_shard = FP8_LOCAL_SHARD_MULTIPLE * sp if self.fp8 else 1
+        return math.lcm(sp, fp8, fp8_shard, self.pad_to_multiple)
 
     def transformer_overrides(self) -> dict:
         """The megatron-core ``TransformerConfig`` settings this config decides (memory and FP8)."""
