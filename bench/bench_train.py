@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from megatron_tir.train.cli import prepare
-    from megatron_tir.train.metrics import read_metrics
+    from megatron_tir.observe.metrics_file import read_metrics
     from megatron_tir.train.run import run_training
 
     run_dir = Path(args.out or tempfile.mkdtemp(prefix="bench-train-"))

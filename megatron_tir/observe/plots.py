@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from megatron_tir.train.metrics import read_metrics
+from megatron_tir.observe.metrics_file import read_metrics
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 STATUSES = ("completed", "max_turns", "truncated", "void", "tool_failed", "aborted")

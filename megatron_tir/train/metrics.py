@@ -1,4 +1,4 @@
-"""Training metrics: what a step's rollouts did, one JSON line per step, TensorBoard, PNG curves.
+"""Training metrics: what a step's rollouts did, one JSON line per step (:mod:`megatron_tir.observe.metrics_file`), TensorBoard.
 
 Rollout behaviour is :func:`megatron_tir.eval.metrics.trajectory_metrics` (SimpleTIR's
 ``num_turns``, ``finish_ratio``, ``void_turn_ratio``, ``code_use_ratio``, ``valid_code_ratio``,
@@ -24,9 +24,8 @@ from pathlib import Path
 
 from megatron_tir.eval.metrics import trajectory_metrics
 from megatron_tir.observe.diagnostics import rollout_diagnostics
+from megatron_tir.observe.metrics_file import METRICS_FILE
 from megatron_tir.rollout.batch import Group
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def rollout_metrics(groups: Sequence[Group], prefix: str = "rollout") -> dict[str, float]:
@@ -144,17 +143,3 @@ def open_metrics(run_dir: str | os.PathLike, *, truncate_to: int | None = None, 
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return NoMetrics()
     return MetricsSink(run_dir, truncate_to=truncate_to, trackers=None if trackers is None else trackers())
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise ValueError(f"{run_dir}: no {METRICS_FILE} (not a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """PNG curves and the dashboard of one run into ``RUN_DIR/plots`` (:mod:`megatron_tir.observe.plots`)."""
-    from megatron_tir.observe.plots import plot_runs
-
-    return plot_runs([run_dir])

@@ -10,7 +10,9 @@ from crafted_rollouts import C, F, V, group
 from megatron_tir.rollout.trajectory import Turn
 from megatron_tir.tir.markup import TurnKind
 from megatron_tir.rollout.engines.base import FinishReason
-from megatron_tir.train.metrics import MetricsSink, plot_run, read_metrics, rollout_metrics
+from megatron_tir.observe.metrics_file import read_metrics
+from megatron_tir.observe.plots import plot_runs
+from megatron_tir.train.metrics import MetricsSink, rollout_metrics
 from megatron_tir.train.turn_schedule import TurnScheduleConfig, plateaued, schedule_due
 
 
@@ -40,14 +42,14 @@ def test_sink_writes_jsonl_tensorboard_and_truncates_on_resume(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     MetricsSink(tmp_path, truncate_to=offset).close()  # a resume from the step-1 checkpoint
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
-    written = plot_run(tmp_path)
+    written = plot_runs([tmp_path])
     assert {p.name for p in written} >= {"reward.png", "loss.png", "dashboard.png"}
     assert all(p.stat().st_size > 1000 for p in written)
 
 
 def test_plot_of_a_non_run_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="metrics.jsonl"):
-        plot_run(tmp_path)
+        plot_runs([tmp_path])
 
 
 def test_plateau_and_schedule():
