@@ -48,33 +48,33 @@ class LearnerConfig:
     checks the sequence-parallel local shard), and ``pad_to_multiple``.
     """
 
-    model: str = "smollm2"
+    model: str = "smollm2"  # the policy's weights
     head: str = "lm"  # "lm" (the policy) | "value" (a critic: megatron_tir.policy.value_head)
-    tp: int = 1
-    pp: int = 1
-    dtype: str = "float32"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    distributed_optimizer: bool = False
-    max_tokens_per_microbatch: int = 4096
-    sequence_parallel: bool = False
+    tp: int = 1  # tensor-parallel size (must divide the attention heads)
+    pp: int = 1  # pipeline-parallel stages (must divide the layers)
+    dtype: str = "float32"  # parameter and compute dtype: float32 | bfloat16
+    lr: float = 1e-6  # peak learning rate (AdamW)
+    min_lr: float = 0.0  # the lr at lr_decay_steps (linear / cosine decay)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    lr_decay_style: str = "constant"  # constant | linear | cosine (after the warm-up)
+    lr_decay_steps: int | None = None  # optimizer steps to reach min_lr; None: no decay
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks (megatron-core)
+    max_tokens_per_microbatch: int = 4096  # rows are packed into micro-batches of at most this many tokens
+    sequence_parallel: bool = False  # megatron-core sequence parallelism (needs TP > 1 and Transformer Engine)
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # "uniform" | "block" (full recomputation)
     recompute_num_layers: int | None = None  # layers per unit (uniform) / recomputed layers per stage (block)
     fp8: str | None = None  # None | "e4m3" | "hybrid"
-    fp8_recipe: str = "delayed"
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
+    fp8_recipe: str = "delayed"  # tensorwise | delayed | mxfp8 | blockwise (with fp8)
+    fp8_amax_history_len: int = 1024  # amax history of the delayed FP8 recipe
+    fp8_amax_compute_algo: str = "max"  # max | most_recent (delayed FP8 recipe)
     pad_to_multiple: int = 1  # micro-batch lengths are padded to a multiple of this (and of pad_multiple's terms)
-    seed: int = 1234
+    seed: int = 1234  # model-parallel RNG seed of the learner (init, dropout)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     timeout_s: float = 10.0  # wall-clock limit of one check (parse + verify)
-    workers: int = 2
+    workers: int = 2  # answer-checking worker processes
     start_timeout_s: float = 300.0  # a new worker's imports (not counted in timeout_s)
-    float_rounding: int = 6
+    float_rounding: int = 6  # decimals numbers are rounded to before they are compared
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

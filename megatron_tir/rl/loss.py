@@ -28,11 +28,11 @@ KEEP_METRIC = "loss_keep"
 
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
+    clip_high: float = 0.28  # PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher)
     dual_clip: float | None = 3.0  # None: off
     kl_coef: float = 0.0  # > 0: the trainer builds a frozen reference learner for ref_logprobs_BT
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus in the loss (0: off)
     aggregation: str = "token_mean"  # token_mean | seq_mean (Eq. 1)
 
     def __post_init__(self) -> None:
@@ -118,6 +118,12 @@ class PolicyLoss:
 
     def reset(self) -> None:
         self.max_ratio_tensor = None
+
+    @property
+    def entropy_needs_grad(self) -> bool:
+        """Whether the gradient goes through the entropy (``TokenLoss`` computes a diagnostic entropy
+        without autograd otherwise)."""
+        return self.config.entropy_coef > 0
 
     @property
     def max_ratio(self) -> float:

@@ -69,13 +69,13 @@ class RolloutConfig:
     max_turns: int = 5  # model turns per trajectory (tools=False: always one)
     max_response_tokens: int = 16384  # model + feedback tokens, all turns
     max_turn_tokens: int | None = None  # model tokens of one turn (SimpleTIR's release: 8000); None: no cap
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = 1.0  # sampling temperature of the rollouts
+    top_p: float = 1.0  # nucleus sampling (1: off)
+    top_k: int = -1  # top-k sampling (-1: off)
     seed: int = 0  # per-request seeds derive from (seed, group_id, sample_index)
     max_in_flight: int = 64  # trajectories running at once
-    tool_timeout_s: float = 10.0
-    tool_memory_mb: int = 1024
+    tool_timeout_s: float = 10.0  # wall-clock limit of one code execution in the sandbox
+    tool_memory_mb: int = 1024  # memory limit of one code execution
     stop_on_tool_answer: bool = True  # a final answer printed by the tool completes the trajectory
     # "default" (this project's protocol) | "simpletir" (the released SimpleTIR code's prompt,
     # feedback, turn rules and answer extraction; see megatron_tir.tir.simpletir).

@@ -71,7 +71,7 @@ def program_for(code: str) -> str:
 class FeedbackConfig:
     max_output_chars: int = 1024  # stdout kept: head and tail halves around a cut marker
     stderr_lines: int = 5  # last lines of stderr shown on an error
-    max_stderr_chars: int = 1024
+    max_stderr_chars: int = 1024  # stderr kept on an error (head and tail)
 
     def __post_init__(self) -> None:
         if self.max_output_chars < 16:

@@ -33,7 +33,7 @@ class PromptMode(str, enum.Enum):
 
 @dataclass(kw_only=True, slots=True)
 class PromptConfig:
-    mode: PromptMode = PromptMode.PLAIN
+    mode: PromptMode = PromptMode.PLAIN  # plain (a text prefix, base models) | chat (the tokenizer's chat template)
     # None: TOOL_INSTRUCTION, or TEXT_INSTRUCTION for text-only rollouts (RolloutConfig.tools=False).
     instruction: str | None = None
     # Plain mode: "{instruction}", "{problem}" are filled in.

@@ -28,9 +28,25 @@ RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "tr
                "mlruns", "wandb_run_id", "mlflow_run_id")
 
 
+def _recipe_names() -> str:
+    from megatron_tir.train.config import RECIPES
+
+    return " | ".join(RECIPES)
+
+
+def _config_epilog() -> str:
+    """``train --help``'s closing text: the recipes and the config's sections, read from the code."""
+    from megatron_tir.train.config_reference import recipe_lines, section_names
+
+    recipes = "\n".join(f"  {line}" for line in recipe_lines())
+    return (f"recipes:\n{recipes}\n\nconfig sections (keys are dotted: SECTION.KEY=VALUE): "
+            f"model, {', '.join(section_names())}\n"
+            "every key, its default and its meaning: megatron-tir config --recipe NAME --explain, or docs/config.md")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--recipe", help="tiny-cpu | smollm2-cpu | qwen2.5-7b-simpletir | qwen2.5-32b-simpletir")
+    src.add_argument("--recipe", metavar="NAME", help=f"a recipe: {_recipe_names()}")
     src.add_argument("--config", metavar="FILE",
                      help="a config file: YAML from `megatron-tir config`, or a run's config.json")
     src.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
@@ -170,7 +186,10 @@ def held_out_summary(metrics_path: Path) -> list[str]:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", required=True, help="the recipe whose resolved config is printed")
+    p.add_argument("--recipe", required=True, metavar="NAME",
+                   help=f"the recipe whose resolved config is printed: {_recipe_names()}")
+    p.add_argument("--explain", action="store_true",
+                   help="a comment above every key: its meaning and its default (still a valid config file)")
     _add_override_args(p)
 
 
@@ -180,7 +199,13 @@ def run_config_command(args: argparse.Namespace) -> int:
     from megatron_tir.train.config_file import dump_yaml
 
     cfg = apply_overrides(load_recipe(args.recipe), overrides_of(args))
-    sys.stdout.write(dump_yaml(cfg, source=f"recipe {args.recipe}" + "".join(f" {o}" for o in overrides_of(args))))
+    source = f"recipe {args.recipe}" + "".join(f" {o}" for o in overrides_of(args))
+    if args.explain:
+        from megatron_tir.train.config_reference import explain_yaml
+
+        sys.stdout.write(explain_yaml(cfg, source=source))
+    else:
+        sys.stdout.write(dump_yaml(cfg, source=source))
     return 0
 
 
@@ -191,6 +216,7 @@ def register(sub: argparse._SubParsersAction) -> None:
              add_train_args, run_train_command),
             ("config", "print a recipe's resolved config as YAML (edit it, then train --config FILE)",
              add_config_args, run_config_command)):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=_config_epilog(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(p)
         p.set_defaults(func=func)

@@ -42,6 +42,7 @@ ASYNC_KEY = "trainer.async"  # the CLI spelling of trainer.asynchrony (``async``
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    """Training and held-out prompts: which set, how many held-out prompts and how they are sampled."""
     # "arithmetic" | "tir_mix" (generated: megatron_tir.data.tasks) | aime24 | math500 | math_train | a parquet file
     train: str = "arithmetic"
     eval: str = "arithmetic"  # held-out prompts: a generated task draws its held-out split
@@ -49,9 +50,9 @@ class DataConfig:
     eval_samples: int = 1  # samples per held-out prompt
     eval_temperature: float | None = None  # None: the rollout temperature
     eval_top_p: float | None = None  # None: the rollout top_p (SimpleTIR evaluates at 0.7)
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0  # order of the training prompts
     arithmetic_digits: int = 4  # operand digits of the generated task
-    arithmetic_terms: int = 2
+    arithmetic_terms: int = 2  # operands of the generated arithmetic task
 
     def __post_init__(self) -> None:
         if self.eval_size < 0 or self.eval_samples < 1:
@@ -92,7 +93,7 @@ class FilterConfig:
     """Which groups, rows and tokens the update keeps (the mode's filters are in ``trainer.mode``)."""
     drop_zero_std: bool = True  # group filter: groups whose rewards all agree carry no signal
     accuracy_lo: float = 0.0  # group filter: keep groups with accuracy in [lo, hi]
-    accuracy_hi: float = 1.0
+    accuracy_hi: float = 1.0  # see accuracy_lo
     overlong: str = "mask"  # truncated rows: "mask" (no loss) | "keep" | "drop" (no loss, not in the statistics)
     min_group_rows: int = 1  # group filter: groups with fewer counted rows are dropped (release: 4 with "drop")
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
@@ -135,7 +136,7 @@ class CheckpointConfig:
     """When run checkpoints are written and how many are kept."""
     every: int = 0  # steps between run checkpoints (0: only at the end)
     minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
-    keep_last: int = 2
+    keep_last: int = 2  # run checkpoints kept (older ones are deleted)
     strict_resume: bool = False  # --resume refuses a damaged newest checkpoint instead of falling back
 
     def __post_init__(self) -> None:
@@ -150,7 +151,8 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class StopConfig:
     """When the run stops because it cannot learn (exit 1 with the cause; nothing new is saved)."""
-    infra_failure_share: float = 0.5  # a step whose trajectories infrastructure ended more than this share of
+    # a step where more than this share of the trajectories was ended by infrastructure (engine, sandbox) stops
+    infra_failure_share: float = 0.5
     steps_without_update: int = 3  # this many consecutive steps without an optimizer update
 
     def __post_init__(self) -> None:
@@ -192,12 +194,13 @@ class AsyncConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    steps: int = 10
+    """The training loop: steps, the TIR mode, sampling, filters, the update, checkpoints, logging."""
+    steps: int = 10  # training steps of the run (a resumed run continues to this step)
     mode: str = "simpletir"  # naive | low_prob_filter | high_ratio_filter | stop_without_filter | simpletir
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=LossConfig)  # the PPO-style policy loss: clipping, KL, entropy, aggregation
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     turn_schedule: TurnScheduleConfig = field(default_factory=TurnScheduleConfig)
     stop: StopConfig = field(default_factory=StopConfig)
@@ -207,8 +210,8 @@ class TrainerConfig:
     # consecutive steps with a skipped (non-finite gradients) optimizer step or non-finite weights
     # after one before the run stops (a non-finite model is never saved)
     stop_after_nonfinite: int = 3
-    seed: int = 0
-    progress: bool = True
+    seed: int = 0  # torch seed of the trainer (the held-out rollouts use seed + 1)
+    progress: bool = True  # progress bars during rollouts and held-out evaluation
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -232,11 +235,11 @@ class TrainerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    model: str = "smollm2"  # "smollm2" | "tiny-qwen2" | an HF directory | a run checkpoint
+    model: str = "smollm2"  # the policy to train: "smollm2" | "tiny-qwen2" | an HF directory | a run checkpoint
     learner: LearnerConfig = field(default_factory=LearnerConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling trajectories: group size, turns, budgets, tools
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the generation engine: in-process (CPU) or SGLang servers
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where code runs: a local sandbox cluster or a broker
     reward: RewardConfig = field(default_factory=RewardConfig)  # the answer checker (math-verify workers)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -357,8 +360,9 @@ def qwen25_7b_textonly() -> TrainConfig:
 
 
 def qwen25_7b_zerotir() -> TrainConfig:
-    """ZeroTIR's PPO (arXiv 2505.07773; yyht/openrlhf_async_pipline
-    ``examples/scripts/train_long_cot_ray_7b_ppo_tune_zero_v1_onpolicy_env_mask.sh``): GAE with
+    """ZeroTIR's PPO on Qwen2.5-7B: GAE with a critic trained on the model's tokens. From arXiv 2505.07773
+    and yyht/openrlhf_async_pipline
+    ``examples/scripts/train_long_cot_ray_7b_ppo_tune_zero_v1_onpolicy_env_mask.sh``: GAE with
     gamma = lambda = 1 and a critic trained on the model's tokens only (``--use_env_mask``), critic
     lr 5e-6 and 10 critic-only steps (``--freezing_actor_steps 10``), value clip 0.2 (OpenRLHF's
     default), 128 prompts x 16 samples per rollout and one update on all of them, groups with

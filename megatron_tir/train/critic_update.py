@@ -37,11 +37,11 @@ from megatron_tir.train.row_stats import RowStats
 class CriticConfig:
     """The critic of ``trainer.ppo.advantage=gae`` (ignored otherwise)."""
     model: str | None = None  # None: the policy's weights (its HF dir or checkpoint)
-    lr: float = 1e-5
+    lr: float = 1e-5  # the critic's learning rate
     warmup_steps: int = 0  # first steps train the critic only
     value_clip: float | None = 0.2  # None: unclipped value loss
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda
     kl_reward_coef: float = 0.0  # KL in the reward (k1 against the frozen reference); 0: off
     whiten: str = "batch"  # batch | rms | off: how the GAE advantages are normalised over the batch's model tokens
 

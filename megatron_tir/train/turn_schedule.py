@@ -14,12 +14,12 @@ from megatron_tir.rollout import RolloutConfig
 @dataclass(kw_only=True, slots=True)
 class TurnScheduleConfig:
     """Switch to the larger budget at a step, or when the mean response length plateaus."""
-    at_step: int | None = None
-    on_plateau: bool = False
+    at_step: int | None = None  # switch to the larger budget at this step; None: not by step
+    on_plateau: bool = False  # switch when the mean response length plateaus
     plateau_window: int = 10  # steps compared: the last window vs the one before
     plateau_tolerance: float = 0.02  # relative change of the mean response length below which it plateaued
-    max_turns: int = 10
-    max_response_tokens: int = 24576
+    max_turns: int = 10  # rollout.max_turns after the switch
+    max_response_tokens: int = 24576  # rollout.max_response_tokens after the switch
 
     def __post_init__(self) -> None:
         for name in ("plateau_window", "max_turns", "max_response_tokens"):
