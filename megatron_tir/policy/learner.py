@@ -448,8 +448,12 @@ class Learner:
             ok, grad_norm, _ = self.optimizer.step()
             assert ok, "optimizer reported an overflow after the finiteness check"
         weights_finite = self.weights_finite()
-        if not weights_finite:
-            log.error("non-finite weights after optimizer step %d (grad norm %.4g)", self.step, grad_norm)
+        if not weights_finite:  # every rank (an all-reduced flag): nothing may sync, evaluate or save them
+            from megatron_tir.finite import NonFiniteTraining
+
+            raise NonFiniteTraining(f"non-finite weights after optimizer step {self.step} (grad norm {grad_norm:.4g}, "
+                                    f"{'skipped' if skipped else 'finite gradients'}): the run stops here; "
+                                    f"the checkpoints hold only finite weights")
         t_opt = time.perf_counter()
         loss = totals.pop("loss", 0.0)
         return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=skipped, lr=lr, metrics=totals,

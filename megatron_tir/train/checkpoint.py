@@ -199,8 +199,8 @@ class RunCheckpoints:
                     raise full from None
             raise
         if rank == 0:
-            if final.exists():  # the same step saved again (a rerun after a resume): replace it
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again (a rerun after a resume skipped it): keep the evidence
+                integrity.set_aside(final, f"step {state.step} is saved again")
             os.rename(tmp, final)
             _fsync_dir(self.dir)
             pointer_tmp = self.dir / f".{LATEST}.tmp"
@@ -216,40 +216,60 @@ class RunCheckpoints:
         return final
 
     def _prune(self, *, keep: Path) -> None:
-        steps = sorted((p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir()),
+        steps = sorted((p for p in self.dir.glob(f"{STEP_PREFIX}*")  # (step_N.damaged are kept: evidence)
+                        if p.is_dir() and p.name.removeprefix(STEP_PREFIX).isdigit()),
                        key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
         for old in steps[:-self.keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, learners: Mapping, path: Path | None = None, *, strict: bool = False) -> TrainerState:
+    def load(self, learners: Mapping, path: Path | None = None, *, strict: bool = False,
+             allow_unverified: bool = False) -> TrainerState:
         """Restore each of ``learners`` (by name) and this rank's RNG from ``path`` (default: the newest
-        intact checkpoint: a damaged one -- against its manifest, or holding non-finite weights -- is
-        skipped with a warning naming the file, or refused when ``strict``); the trainer state."""
+        intact checkpoint: a damaged one -- against its manifest, without one where the run's others have
+        one, or holding a non-finite weight or optimizer tensor -- is skipped with a warning naming the
+        file and renamed ``step_N.damaged``, or refused when ``strict``); the trainer state. A run without
+        any manifest loads only with ``allow_unverified``."""
         _check_learners(learners)
         rank, world = _rank()
-        found = _broadcast_obj([path] if path is not None else integrity.candidates(self.dir))  # rank 0's view
+        found = [path] if path is not None else integrity.candidates(self.dir)
+        if rank == 0 and path is None:
+            integrity.report_latest(self.dir, found)
+        required = integrity.manifest_required(found, allow_unverified=allow_unverified) if rank == 0 else True
+        found, required = _broadcast_obj((found, required))  # rank 0's view
         if not found or not (found[0] / STATE).is_file():
             raise ValueError(f"no complete checkpoint in {self.dir}")
+        skipped: list[tuple[Path, str]] = []
         for i, path in enumerate(found):
             # every byte read once: each rank hashes its share of the files
-            whys = _gather_list(integrity.problem(path, deep=True, part=(rank, world)))
+            whys = _gather_list(integrity.problem(path, deep=True, part=(rank, world), required=required))
             why = next((w for w in whys if w is not None), None)
             if why is None:
                 missing = [name for name in learners if not (path / name).is_dir()]
                 if missing:
                     raise ValueError(f"checkpoint {path} has no learner {missing[0]!r} (it holds: "
                                      f"{', '.join(sorted(p.name for p in path.iterdir() if p.is_dir()))})")
+                from megatron_tir.policy.checkpoint.learner_io import first_nonfinite
+
                 for name, learner in learners.items():
                     self._load_learner(learner, path / name)
-                    finite = getattr(learner, "weights_finite", None)
-                    if why is None and finite is not None and not finite():
-                        why = f"checkpoint {path}: {name} holds non-finite weights"
+                    bad = first_nonfinite(learner) if hasattr(learner, "module") else None  # collective
+                    if bad is None and getattr(learner, "weights_finite", None) is not None \
+                            and not learner.weights_finite():
+                        bad = "a weight"
+                    if bad is not None:
+                        why = f"checkpoint {path}: {name} holds non-finite values ({bad})"
+                        break
             if why is None:
                 break
             integrity.refuse(why, strict=strict)
+            skipped.append((path, why))
             if i == len(found) - 1:
                 raise ValueError(f"no intact checkpoint in {self.dir} (the oldest: {why})")
+        if rank == 0:  # resuming from an older step: the evidence stays, the rerun steps cannot overwrite it
+            for damaged, why in skipped:
+                integrity.set_aside(damaged, why)
+        _barrier()
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():  # absent when the world size changed: RNG streams start fresh
             set_rng_state(torch.load(rng, weights_only=False))

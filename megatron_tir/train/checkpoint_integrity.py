@@ -8,6 +8,12 @@
   ``deep=True`` checks every byte (once, shared by the ranks, before the learners read it).
 * :func:`pick`: the newest intact one; a damaged one is skipped with a warning naming it, or,
   ``strict``, refused (``trainer.checkpoint.strict_resume``).
+* A step without ``manifest.json`` in a run whose other steps have one lost it: it is damaged. A
+  run without any manifest (written before manifests existed) is resumed unverified only with
+  ``trainer.checkpoint.allow_unverified=true`` (:func:`manifest_required`).
+* :func:`set_aside`: a damaged step skipped by a resume is renamed ``step_N.damaged`` (the evidence
+  stays; the rerun step cannot overwrite it); :func:`report_latest`: a ``latest`` pointer naming a
+  step that is missing or incomplete is reported, not silently ignored.
 * :class:`DiskFullError`: a save that found no space: the path, the space it needs and the free
   space, in one line (the partial directory is removed by the caller, the previous checkpoint is
   untouched).
@@ -23,10 +29,12 @@ import shutil
 from pathlib import Path
 
 from megatron_tir.policy.checkpoint import manifest
-from megatron_tir.policy.checkpoint.layout import STEP_PREFIX
+from megatron_tir.policy.checkpoint.layout import LATEST, STEP_PREFIX
 from megatron_tir.policy.checkpoint.layout import TRAINER_STATE as STATE
 
 log = logging.getLogger(__name__)
+
+DAMAGED_SUFFIX = ".damaged"  # step_N.damaged: a damaged step a resume skipped
 
 
 class DiskFullError(ValueError):
@@ -43,11 +51,56 @@ def candidates(ckpt_dir: Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
-def problem(step_dir: Path, *, deep: bool, part: tuple[int, int] = (0, 1)) -> str | None:
-    """One line naming what is wrong with ``step_dir``, or None when it is intact (``part``: this rank's
-    share of the files to hash, see ``manifest.verify``)."""
+def manifest_required(found: list[Path], *, allow_unverified: bool) -> bool:
+    """Whether the steps ``found`` (one run's) must have a manifest: yes when any of them has one; a run
+    without any (written before manifests existed) is refused unless ``allow_unverified`` (ValueError)."""
+    if any(manifest.has_manifest(p) for p in found):
+        return True
+    if found and not allow_unverified:
+        raise ValueError(f"no checkpoint of {found[0].parent} has a {manifest.MANIFEST} (written before manifests "
+                         f"existed): its files cannot be verified; resume it unverified with "
+                         f"--set trainer.checkpoint.allow_unverified=true")
+    if found:
+        log.warning("resuming %s without verification (trainer.checkpoint.allow_unverified=true: no checkpoint "
+                    "of the run has a %s)", found[0].parent, manifest.MANIFEST)
+    return False
+
+
+def report_latest(ckpt_dir: Path, found: list[Path]) -> None:
+    """Warn when ``ckpt_dir/latest`` names a step directory that is missing or incomplete."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        return
     try:
-        manifest.verify(step_dir, deep=deep, part=part)
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("%s is unreadable (%s); the newest complete step is %s", pointer, exc,
+                    found[0].name if found else "none")
+        return
+    if not any(p.name == name for p in found):
+        what = "does not exist" if not (pointer.parent / name).exists() else "is not a complete checkpoint"
+        log.warning("%s names %s, which %s; the newest complete step is %s", pointer, name, what,
+                    found[0].name if found else "none")
+
+
+def set_aside(step_dir: Path, why: str) -> Path:
+    """Rename the damaged ``step_dir`` to ``step_N.damaged`` (``.damaged.K`` when taken) and say so."""
+    step_dir = Path(step_dir)
+    target = step_dir.with_name(f"{step_dir.name}{DAMAGED_SUFFIX}")
+    k = 1
+    while target.exists():
+        k += 1
+        target = step_dir.with_name(f"{step_dir.name}{DAMAGED_SUFFIX}.{k}")
+    os.rename(step_dir, target)
+    log.warning("renamed the damaged checkpoint %s to %s (%s)", step_dir.name, target.name, why)
+    return target
+
+
+def problem(step_dir: Path, *, deep: bool, part: tuple[int, int] = (0, 1), required: bool = True) -> str | None:
+    """One line naming what is wrong with ``step_dir``, or None when it is intact (``part``: this rank's
+    share of the files to hash, see ``manifest.verify``; ``required``: a missing manifest is damage)."""
+    try:
+        manifest.verify(step_dir, deep=deep, part=part, required=required)
     except manifest.ManifestError as exc:
         return str(exc)
     try:
@@ -59,14 +112,16 @@ def problem(step_dir: Path, *, deep: bool, part: tuple[int, int] = (0, 1)) -> st
     return None
 
 
-def pick(ckpt_dir: Path, *, strict: bool, deep: bool) -> Path:
+def pick(ckpt_dir: Path, *, strict: bool, deep: bool, allow_unverified: bool = False) -> Path:
     """The newest intact step directory; ValueError when there is none, or (``strict``) when the newest is damaged."""
     found = candidates(ckpt_dir)
     if not found:
         raise ValueError(f"no complete checkpoint in {ckpt_dir}")
+    report_latest(ckpt_dir, found)
+    required = manifest_required(found, allow_unverified=allow_unverified)
     skipped = []
     for path in found:
-        why = problem(path, deep=deep)
+        why = problem(path, deep=deep, required=required)
         if why is None:
             if skipped:
                 log.warning("resuming from %s, skipped %s", path.name, "; ".join(skipped))

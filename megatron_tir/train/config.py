@@ -138,6 +138,7 @@ class CheckpointConfig:
     minutes: float = 0.0  # also after the first step that ends this long after the last checkpoint (0: off)
     keep_last: int = 2  # run checkpoints kept (older ones are deleted)
     strict_resume: bool = False  # --resume refuses a damaged newest checkpoint instead of falling back
+    allow_unverified: bool = False  # --resume of a run none of whose checkpoints has a manifest (before manifests)
 
     def __post_init__(self) -> None:
         if self.every < 0:

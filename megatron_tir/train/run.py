@@ -42,7 +42,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
         if resume:
             learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
             loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
-                learners, strict=cfg.trainer.checkpoint.strict_resume)
+                learners, strict=cfg.trainer.checkpoint.strict_resume,
+                allow_unverified=cfg.trainer.checkpoint.allow_unverified)
             if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
                 state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
                                                       for o in state.overrides[len(loaded.overrides):]]

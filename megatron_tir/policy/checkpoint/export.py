@@ -8,7 +8,8 @@ as its gate and up halves of one global tensor); each is read alone from the fil
 checkpoint: copied file to file) and rearranged in memory otherwise, and written into a
 streaming safetensors writer: memory holds about one tensor. Entries the map does not name
 (TE's ``_extra_state``, optimizer state) are not read, so a checkpoint written by either
-spec, at any TP/PP, exports the same. Needs no process group: ``model_sources`` uses it to
+spec, at any TP/PP, exports the same. A tensor holding NaN or inf is refused by its HF name (the
+manifest proves the bytes are the saved ones, not that they are finite). Needs no process group: ``model_sources`` uses it to
 give engines an HF directory for a checkpoint, ``tir-ckpt megatron-to-hf`` is built on it.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +92,27 @@ def hf_byte_spans(reader: RegionReader, p: keymap.TensorPlan, spec: ModelSpec) -
             for blocks in keymap.hf_row_spans(p, spec)]
 
 
+def _spans_finite(spans: list[tuple[int, int, int]], dtype: torch.dtype, chunk: int = 64 << 20) -> bool:
+    """Whether the ``dtype`` values in the file byte spans ``(fd, offset, length)`` are all finite."""
+    step = chunk - chunk % dtype.itemsize
+    for fd, offset, length in spans:
+        for start in range(0, length, step):
+            buf = bytearray(os.pread(fd, min(step, length - start), offset + start))
+            if buf and not bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all()):
+                return False
+    return True
+
+
+class NonFiniteTensorError(ValueError):
+    """A tensor of the checkpoint holds NaN or inf (one line naming it)."""
+
+
+def _check_finite(ckpt: Path, name: str, finite: bool) -> None:
+    if not finite:
+        raise NonFiniteTensorError(f"checkpoint {ckpt}: {name} holds non-finite values (NaN or inf): not exported "
+                         f"(resume the run from an earlier checkpoint)")
+
+
 def export_hf_config(meta: CheckpointMeta, spec: ModelSpec) -> dict:
     config = dict(meta.hf_config)
     qc = config.get("quantization_config")
@@ -120,14 +143,18 @@ def export_hf(ckpt: Path, out: Path, *, max_shard_bytes: int = 5 * 2**30) -> Exp
                     spans = hf_byte_spans(reader, p, spec)
                     if spans is not None:  # file to file, no tensor in memory
                         for name, tensor_spans in zip(p.hf, spans):
+                            _check_finite(ckpt, name, _spans_finite(tensor_spans, spec.torch_dtype))
                             writer.copy(name, tensor_spans)
                         copied += 1
                         continue
                     tensors = read_hf_tensors(reader, p, spec)
+                except NonFiniteTensorError:
+                    raise
                 except ValueError as e:
                     raise ValueError(f"checkpoint {ckpt} does not match its metadata ({spec.family}, "
                                      f"hidden {spec.hidden_size}, {spec.num_layers} layers): {e}") from None
                 for name, t in zip(p.hf, tensors):
+                    _check_finite(ckpt, name, bool(torch.isfinite(t).all()))
                     writer.write(name, t)
         hf_files = ckpt / HF_FILES_DIR
         if hf_files.is_dir():

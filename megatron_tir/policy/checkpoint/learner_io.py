@@ -83,3 +83,48 @@ def load_learner(learner, directory: str | Path) -> None:
         learner.scheduler.num_steps = 0  # load_state_dict advances by the saved count from here
         learner.scheduler.load_state_dict(loaded[SCHEDULER_KEY])
     log.info("loaded %s into the learner (step %d)", directory, learner.step)
+
+
+def _optimizers(optimizer) -> list:
+    """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds several)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _named_tensors(learner):
+    """(name, tensor) of every weight of this rank's model, then of every main parameter and state
+    tensor of its optimizer (Adam's ``exp_avg``, ``exp_avg_sq``; the fp32 main copies of the weights)."""
+    names = {id(p): n for n, p in learner.module.named_parameters()}
+    for name, p in learner.module.named_parameters():
+        yield f"weight {name}", p
+    if learner.optimizer is None:
+        return
+    for k, opt in enumerate(_optimizers(learner.optimizer)):
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer holding the main parameters
+        for g, group in enumerate(inner.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = names.get(id(p), f"main parameter {i} of param group {g}" + (f" (optimizer {k})" if k else ""))
+                yield f"optimizer {where}", p
+                for key, value in inner.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        yield f"optimizer state {key} of {where}", value
+
+
+def first_nonfinite(learner) -> str | None:
+    """The name of a tensor of ``learner`` (any rank's) holding NaN or inf -- a weight, an optimizer
+    main parameter or an optimizer state tensor -- or None when all are finite. Collective (one
+    gather of the names)."""
+    mine = None
+    with torch.no_grad():
+        named = [(n, t) for n, t in _named_tensors(learner) if t.numel()]
+        if named:  # one sum per tensor, one host read: a sum is non-finite iff an element is (or it overflows)
+            sums = torch.stack([t.sum(dtype=torch.float32) for _, t in named]).cpu()
+            for index in (~torch.isfinite(sums)).nonzero().flatten().tolist():
+                name, t = named[index]
+                if not bool(torch.isfinite(t).all()):  # (not a mere overflow of the sum)
+                    mine = name
+                    break
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return mine
+    found: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, mine)
+    return next((f"{n} (rank {r})" if len(found) > 1 else n for r, n in enumerate(found) if n is not None), None)

@@ -168,14 +168,19 @@ def read_manifest(root: Path) -> dict | None:
     return files
 
 
-def verify(root: Path, *, under: str = "", deep: bool = True, part: tuple[int, int] = (0, 1)) -> None:
+def verify(root: Path, *, under: str = "", deep: bool = True, part: tuple[int, int] = (0, 1),
+           required: bool = False) -> None:
     """ManifestError naming the first file below ``root`` (or below ``root/under``) that is missing,
     has another size, or (``deep``) another checksum than the manifest records. ``part=(i, n)``: hash
     only every n-th file from the i-th (the ranks of a job share the reading; sizes are checked for
-    all). A checkpoint without a manifest (written before manifests existed) passes with a warning."""
+    all). A checkpoint without a manifest is refused when ``required`` (a run step whose siblings have
+    one: it lost it), else (written before manifests existed, or by a converter) passes with a warning."""
     root = Path(root)
     files = read_manifest(root)
     if files is None:
+        if required:
+            raise ManifestError(f"checkpoint {root}: {MANIFEST} is missing (the run's other checkpoints have "
+                                f"one: its files cannot be verified)")
         log.warning("checkpoint %s has no %s: its files are not verified", root, MANIFEST)
         return
     key = (str(root / MANIFEST), (root / MANIFEST).stat().st_mtime_ns)
@@ -201,13 +206,27 @@ def verify(root: Path, *, under: str = "", deep: bool = True, part: tuple[int, i
         _verified.add(key)
 
 
+def has_manifest(root: Path) -> bool:
+    return (Path(root) / MANIFEST).is_file()
+
+
 def verify_checkpoint(ckpt: Path) -> None:
     """Verify a policy checkpoint against the manifest of its own directory or of the run checkpoint
-    step directory that holds it (only the files below ``ckpt``)."""
+    step directory that holds it (only the files below ``ckpt``). A policy checkpoint of a run step
+    without a manifest is refused when another step of the run has one (it lost it); a converted
+    checkpoint or a step of a run written before manifests passes with a warning."""
+    from megatron_tir.policy.checkpoint.layout import STEP_PREFIX, TRAINER_STATE
+
     ckpt = Path(ckpt)
-    if (ckpt / MANIFEST).is_file():
+    step = ckpt.parent
+    if has_manifest(ckpt):
         verify(ckpt)
-    elif (ckpt.parent / MANIFEST).is_file():
-        key = (str(ckpt.parent / MANIFEST), (ckpt.parent / MANIFEST).stat().st_mtime_ns)
+    elif has_manifest(step):
+        key = (str(step / MANIFEST), (step / MANIFEST).stat().st_mtime_ns)
         if key not in _verified:
-            verify(ckpt.parent, under=ckpt.name)
+            verify(step, under=ckpt.name)
+    elif (step / TRAINER_STATE).is_file():
+        siblings = any(has_manifest(p) for p in step.parent.glob(f"{STEP_PREFIX}*") if p != step)
+        verify(step, required=siblings)
+    else:
+        verify(ckpt)

@@ -5,6 +5,9 @@
   one line (exit 2);
 * the manifest's checksums of the big files are computed while writing (nothing re-read);
 * a non-finite weight injected after a step is never saved;
+* a step without a manifest where the others have one is damaged; a run without any resumes only
+  with ``allow_unverified``; skipped steps are renamed ``step_N.damaged``; a dangling ``latest`` is
+  reported; a NaN in Adam's state is refused at resume; ``tir-ckpt`` refuses to export a NaN weight;
 * a full disk during a save (a small tmpfs, as root): one line with the path and the space it
   needs, the partial directory gone, the previous checkpoint intact, resume works after space is freed.
 """
@@ -178,10 +181,12 @@ def test_a_non_finite_weight_after_a_step_is_never_saved(parallel_1x1, tmp_path,
         assert ck.save({"policy": learner}, TrainerState(step=2)) is None
     assert "step 2: the weights of policy are not finite: no checkpoint saved (the newest stays step_1)" in caplog.text
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
-    # the next step keeps the model non-finite: its gradients are, so it is skipped, and it says so
-    after = learner.train_step(make_batch(2), ppo_loss)
-    assert after.skipped and not after.weights_finite
-    assert ck.save({"policy": learner}, TrainerState(step=3)) is None and ck.latest().name == "step_1"
+    # the next step ends with non-finite weights (its gradients are too, so it is skipped): the run stops
+    from megatron_tir.finite import NonFiniteTraining
+
+    with pytest.raises(NonFiniteTraining, match="non-finite weights after optimizer step 1 .*skipped"):
+        learner.train_step(make_batch(2), ppo_loss)
+    assert ck.latest().name == "step_1"
 
 
 def test_consecutive_non_finite_steps_stop_the_run_in_one_line():
@@ -275,3 +280,121 @@ def test_ranks_share_the_verification_and_fall_back_together(tmp_path):
     for rank in (0, 1):
         got = json.loads((out / f"rank{rank}").read_text())
         assert got == {"step": 1, "w": [1.0] * 8}
+
+
+# --------------------------------------------------------------------- issue 37: unverified / non-finite
+
+def _inner_optimizers(learner):
+    from megatron_tir.policy.checkpoint.learner_io import _optimizers
+
+    return [getattr(o, "optimizer", o) for o in _optimizers(learner.optimizer)]
+
+
+def test_a_step_that_lost_its_manifest_is_damaged_not_preferred(damaged_copy, caplog):
+    run, weights, _ = damaged_copy
+    step2 = run / "checkpoints" / "step_2"
+    (step2 / manifest.MANIFEST).unlink()
+    _damage(step2 / "policy/__0_0.distcp", "corrupt")  # random bytes nothing can detect without the manifest
+    with caplog.at_level(logging.WARNING):
+        assert integrity.pick(run / "checkpoints", strict=False, deep=False).name == "step_1"  # the CLI's pick
+        fresh = _learner()
+        state = RunCheckpoints(run, keep_last=2).load({"policy": fresh})
+    assert state.step == 1
+    assert all(torch.equal(p, weights[1][n]) for n, p in _weights(fresh).items())
+    assert "step_2: manifest.json is missing" in caplog.text, caplog.text
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["latest", "step_1", "step_2.damaged"], names
+    os.rename(run / "checkpoints" / "step_2.damaged", step2)
+    with pytest.raises(ValueError, match="step_2: manifest.json is missing.*strict_resume"):
+        integrity.pick(run / "checkpoints", strict=True, deep=False)
+
+
+def test_a_run_without_any_manifest_resumes_only_when_allowed(damaged_copy, caplog):
+    run, weights, _ = damaged_copy
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_{step}" / manifest.MANIFEST).unlink()
+    with pytest.raises(ValueError, match="has a manifest.json.*trainer.checkpoint.allow_unverified=true") as info:
+        RunCheckpoints(run, keep_last=2).load({"policy": _learner()})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="allow_unverified"):
+        integrity.pick(run / "checkpoints", strict=False, deep=False)
+    fresh = _learner()
+    with caplog.at_level(logging.WARNING):
+        assert RunCheckpoints(run, keep_last=2).load({"policy": fresh}, allow_unverified=True).step == 2
+    assert "without verification" in caplog.text
+    assert all(torch.equal(p, weights[2][n]) for n, p in _weights(fresh).items())
+
+
+def test_the_rerun_of_a_skipped_step_keeps_the_damaged_one(damaged_copy):
+    run, _, _ = damaged_copy
+    _damage(run / "checkpoints" / "step_2" / "trainer_state.json", "corrupt")
+    fresh = _learner()
+    ck = RunCheckpoints(run, keep_last=1)
+    assert ck.load({"policy": fresh}).step == 1
+    fresh.train_step(make_batch(2), ppo_loss)
+    assert ck.save({"policy": fresh}, TrainerState(step=2, data_position=8)).name == "step_2"
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["latest", "step_2", "step_2.damaged"], names  # keep_last=1 prunes step_1, not the evidence
+    assert integrity.problem(run / "checkpoints" / "step_2", deep=True) is None
+
+
+def test_a_dangling_latest_is_reported(damaged_copy, caplog):
+    run, _, _ = damaged_copy
+    (run / "checkpoints" / "latest").write_text("step_7")
+    with caplog.at_level(logging.WARNING):
+        assert RunCheckpoints(run, keep_last=2).load({"policy": _learner()}).step == 2
+    assert "latest names step_7, which does not exist; the newest complete step is step_2" in caplog.text
+
+
+def test_nan_in_adam_state_is_refused_at_resume(parallel_1x1, tmp_path, caplog):
+    learner = _learner()
+    ck = RunCheckpoints(tmp_path, keep_last=3)
+    learner.train_step(make_batch(1), ppo_loss)
+    ck.save({"policy": learner}, TrainerState(step=1, data_position=4))
+    expected = _weights(learner)
+    learner.train_step(make_batch(2), ppo_loss)
+    inner = _inner_optimizers(learner)[0]
+    state = next(iter(inner.state.values()))
+    state["exp_avg"].view(-1)[0] = float("nan")  # as a trainer that saved it would write it: manifest consistent
+    assert learner.weights_finite()
+    ck.save({"policy": learner}, TrainerState(step=2, data_position=8))
+    assert integrity.problem(tmp_path / "checkpoints" / "step_2", deep=True) is None
+    fresh = _learner()
+    with caplog.at_level(logging.WARNING):
+        assert ck.load({"policy": fresh}).step == 1
+    assert "step_2: policy holds non-finite values (optimizer state exp_avg of" in caplog.text, caplog.text
+    assert all(torch.equal(p, expected[n]) for n, p in _weights(fresh).items())
+    assert all(torch.isfinite(t).all() for o in _inner_optimizers(fresh) for s in o.state.values()
+               for t in s.values() if torch.is_tensor(t))
+    assert (tmp_path / "checkpoints" / "step_2.damaged").is_dir()
+    with pytest.raises(ValueError, match="optimizer state exp_avg .*strict_resume"):
+        os.rename(tmp_path / "checkpoints" / "step_2.damaged", tmp_path / "checkpoints" / "step_2")
+        ck.load({"policy": _learner()}, strict=True)
+
+
+def test_finite_gradients_that_make_the_weights_non_finite_stop_the_step(parallel_1x1):
+    from megatron_tir.finite import NonFiniteTraining
+
+    learner = _learner()
+    learner.train_step(make_batch(1), ppo_loss)
+    inner = _inner_optimizers(learner)[0]
+    next(iter(inner.state.values()))["exp_avg_sq"].view(-1)[0] = -1.0  # sqrt(<0): the update is NaN
+    with pytest.raises(NonFiniteTraining, match="non-finite weights after optimizer step 2 .*finite gradients"):
+        learner.train_step(make_batch(2), ppo_loss)
+
+
+def test_tir_ckpt_refuses_to_export_a_nan_weight_naming_it(parallel_1x1, tmp_path, capsys):
+    from checkpoints_tools.cli import main
+    from megatron_tir.policy.checkpoint.learner_io import save_learner
+
+    learner = _learner()
+    learner.train_step(make_batch(1), ppo_loss)
+    with torch.no_grad():
+        dict(learner._model.module.named_parameters())["decoder.layers.1.mlp.linear_fc2.weight"].view(-1)[5] = \
+            float("inf")
+    save_learner(learner, tmp_path / "ckpt")  # (a run checkpoint would refuse it: a stand-in for one that has it)
+    code = main(["megatron-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "model.layers.1.mlp.down_proj.weight holds non-finite values" in lines[0], lines[0]
+    assert not (tmp_path / "hf").exists()
