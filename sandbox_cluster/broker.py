@@ -306,7 +306,9 @@ class Broker:
         self.queue.appendleft(task)
 
     def _drop_worker(self, worker: _Worker, why: str) -> None:
-        level = logging.INFO if why == "said goodbye" and not worker.in_flight else logging.WARNING
+        # a goodbye, or a reconnect under load that left nothing to retry, is not a problem
+        quiet = why == "said goodbye" or why.startswith("reconnected")
+        level = logging.INFO if quiet and not worker.in_flight else logging.WARNING
         log.log(level, "worker %s %s; %d request(s) to retry", worker.name, why, len(worker.in_flight))
         del self.workers[worker.identity]
         for key in sorted(worker.in_flight):

@@ -154,6 +154,7 @@ class Worker:
         self.leases: list[UidLease] = []
         self._stop = False
         self._last_broker_msg = 0.0
+        self._silent_reconnects = 0  # reconnects since the broker last answered
         self.instance = uuid.uuid4().hex
 
     # ---- lifecycle
@@ -287,7 +288,11 @@ class Worker:
                 self.socket.send_multipart([P.KIND_HEARTBEAT])
                 next_heartbeat = now + interval
                 if now - self._last_broker_msg > interval * self.config.heartbeat_liveness:
-                    log.warning("broker silent for %.1f s; reconnecting", now - self._last_broker_msg)
+                    # a loaded machine's load noise at INFO; WARNING once it persists (3 in a row)
+                    self._silent_reconnects += 1
+                    log.log(logging.WARNING if self._silent_reconnects >= 3 else logging.INFO,
+                            "broker silent for %.1f s; reconnecting (%d in a row)", now - self._last_broker_msg,
+                            self._silent_reconnects)
                     pending.clear()
                     self._connect()
 
@@ -298,6 +303,7 @@ class Worker:
             except zmq.Again:
                 return
             self._last_broker_msg = time.monotonic()
+            self._silent_reconnects = 0
             kind = frames[0]
             if kind == P.KIND_EXEC and len(frames) == 2:
                 pending.append(frames[1])

@@ -2,6 +2,8 @@
 
 The loop calls it at four points of a step (``sampled`` after the rollouts, ``held_out``
 after an evaluation, ``end_step`` before the metrics are logged) and ``close`` at the end.
+The evaluation before training (step 0) logs its ``step 0 | held-out ...`` line as soon as it ends
+(its seconds counted from the observer's start, which is just before that evaluation).
 ``end_step`` adds ``time/step`` (wall seconds since the previous step ended), the grad-norm
 spike flag and moving average (:class:`~megatron_tir.observe.diagnostics.GradNormSpikes`),
 ``perf/generation_tokens_per_s`` (model tokens sampled / rollout seconds) and
@@ -20,7 +22,7 @@ from pathlib import Path
 from megatron_tir.observe.diagnostics import GradNormSpikes
 from megatron_tir.observe.dumps import dump_path, row_fates, step_records, write_dump
 from megatron_tir.observe.show import render
-from megatron_tir.observe.step_line import format_step_line
+from megatron_tir.observe.step_line import format_held_out_line, format_step_line
 
 log = logging.getLogger("megatron_tir.steps")
 LOG_FILE = "train.log"
@@ -58,7 +60,11 @@ class StepObserver:
     def held_out(self, step: int, groups) -> None:
         if self.log_cfg.dump_due(step) or (step == 0 and self.log_cfg.dump_every):
             self._records += step_records(step, "eval", groups, self.tokenizer, include_ids=self.log_cfg.dump_tokens)
-        if step == 0:  # the evaluation before training: its own dump; step 1's clock starts after it
+        if step == 0:  # the evaluation before training: its line now, its own dump; step 1's clock starts after it
+            from megatron_tir.train.metrics import rollout_metrics  # the numbers of the step-0 metrics record
+
+            metrics = rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - self._t_end}
+            log.info("%s", format_held_out_line(0, metrics))
             self.flush(0)
             self._t_end = time.perf_counter()
 

@@ -3,7 +3,12 @@
     step 3/10 | reward 0.250 | held-out 0.312 | void 19% | resp tokens 212 mean, 256 max | rows 24/32 in loss
     | grad 0.84 | 41.2 s (rollout 30.1, logprobs 3.2, train 6.0, sync 0.4, eval 0.0, checkpoint 1.5)
 
-(one line; wrapped here; the seconds are the step's wall time, ``time/step``, when known). Fields missing from a step's metrics are left out (no held-out
+(one line; wrapped here; the seconds are the step's wall time, ``time/step``, when known). The
+evaluation before training gets its own line as soon as it ends (:func:`format_held_out_line`)::
+
+    step 0 | held-out 0.107 | code use 0.82 | void 4% | resp tokens 180 mean | 35.2 s (eval)
+
+Fields missing from a step's metrics are left out (no held-out
 reward on a step without evaluation, no grad norm on a skipped update). Plain text: no
 colours or escape codes, so the line reads the same in a file.
 """
@@ -45,4 +50,20 @@ def format_step_line(step: int, total: int, metrics: dict) -> str:
     if phases:
         total_s = _num(metrics, "time/step") or sum(v for _, v in phases)
         parts.append(f"{total_s:.1f} s (" + ", ".join(f"{p} {v:.1f}" for p, v in phases) + ")")
+    return " | ".join(parts)
+
+
+def format_held_out_line(step: int, metrics: dict) -> str:
+    """The line of a held-out evaluation on its own (``eval/*`` metrics; step 0: before training)."""
+    parts = [f"step {step}"]
+    if (v := _num(metrics, "eval/reward")) is not None:
+        parts.append(f"held-out {v:.3f}")
+    if (v := _num(metrics, "eval/code_use_ratio")) is not None:
+        parts.append(f"code use {v:.2f}")
+    if (v := _num(metrics, "eval/void_trajectory_ratio")) is not None:
+        parts.append(f"void {100 * v:.0f}%")
+    if (v := _num(metrics, "eval/mean_response_tokens")) is not None:
+        parts.append(f"resp tokens {v:.0f} mean")
+    if (v := _num(metrics, "time/eval")) is not None:
+        parts.append(f"{v:.1f} s (eval)")
     return " | ".join(parts)

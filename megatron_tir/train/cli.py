@@ -108,7 +108,10 @@ def prepare(args: argparse.Namespace):
             cfg = from_dict(json.loads(config_path.read_text()))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{config_path}: {exc}") from None
-        cfg = apply_overrides(cfg, overrides)
+        before, cfg = cfg, apply_overrides(cfg, overrides)
+        if _rank() == 0:
+            for line in config_changes(to_dict(before), to_dict(cfg)):
+                log.info("resume %s: %s", run_dir, line)
         if not integrity.candidates(run_dir / CHECKPOINTS_DIR):
             raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet (a directory without one is "
                              f"reused by --recipe NAME --out {run_dir}, which starts it fresh)")
@@ -123,6 +126,24 @@ def prepare(args: argparse.Namespace):
     state.overrides = state.overrides + recorded
     state.config = to_dict(cfg)
     return cfg, run_dir, state
+
+
+def _flat(mapping: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(before: dict, after: dict) -> list[str]:
+    """``key old -> new`` for every key whose value differs between two config dicts (``to_dict``), in
+    the config's order; what a resume with ``--set`` changed (``rollout.max_turns 2 -> 10``)."""
+    old, new = _flat(before), _flat(after)
+    return [f"{key} {json.dumps(old.get(key))} -> {json.dumps(value)}" for key, value in new.items()
+            if old.get(key) != value]
 
 
 def _check_out_dir(run_dir: Path) -> None:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from megatron_tir.data.problems import Problem
+from megatron_tir.observe.heartbeat import phase_progress
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.factory import (
@@ -75,10 +76,11 @@ class RolloutService:
         driver = TIRRollout(self.activity, self.tokenizer, self.sandbox, config, verifier=self.verifier)
         if not progress:
             return await driver.run(problems, group_id_offset=group_id_offset)
-        from tqdm import tqdm
-
-        with tqdm(total=len(problems) * config.n_samples, desc=desc, unit="traj", leave=False, disable=None) as bar:
-            return await driver.run(problems, group_id_offset=group_id_offset, on_done=lambda _: bar.update(1))
+        # a bar on a terminal, a heartbeat line every minute in a log file (megatron_tir.observe.heartbeat)
+        with phase_progress(desc, len(problems) * config.n_samples, unit="traj") as bar:
+            async with bar.ticking():
+                return await driver.run(problems, group_id_offset=group_id_offset,
+                                        on_done=lambda t: bar.update(1, tokens=t.num_model_tokens))
 
     def take_stale_responses(self) -> int:
         """Answers the engine dropped since the last call because their server served older

@@ -16,3 +16,13 @@ def test_step_line_fields():
     assert format_step_line(1, 2, {"train/skipped_empty_batch": 1.0}) == \
         "step 1/2 | no update (no group passed the filters)"
     assert "\x1b" not in line and "\r" not in line
+
+
+def test_held_out_line_of_the_evaluation_before_training():
+    from megatron_tir.observe.step_line import format_held_out_line
+
+    line = format_held_out_line(0, {"eval/reward": 0.1071, "eval/code_use_ratio": 0.8234,
+                                    "eval/void_trajectory_ratio": 0.04, "eval/mean_response_tokens": 180.4,
+                                    "time/eval": 35.24, "rollout/reward": 0.9})
+    assert line == "step 0 | held-out 0.107 | code use 0.82 | void 4% | resp tokens 180 mean | 35.2 s (eval)"
+    assert format_held_out_line(0, {"eval/reward": float("nan")}) == "step 0"
