@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with LocalCluster(workers=args.workers, address=args.bind, worker_address=args.worker_bind,
                       slots_per_worker=args.slots_per_worker, max_queue=args.max_queue,
-                      log_level=args.log_level, **limits) as cluster:
+                      log_level=args.log_level, start_timeout_s=args.start_timeout, **limits) as cluster:
         status = cluster.status()
         print(f"serving clients at {cluster.address}; workers connect to {cluster.worker_address}", flush=True)
         for name, missing in status.missing_protections.items():
@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes (one warm zygote per slot)")
     p.add_argument("--slots-per-worker", type=int, default=1)
     p.add_argument("--max-queue", type=int, default=10_000)
+    p.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds for the broker and every worker to register (then the cluster serves, busy or not)")
     p.add_argument("--limits", help='JSON of SandboxLimits fields, e.g. \'{"max_processes": 32}\'')
     p.add_argument("--expose", action="append", metavar="PATH",
                    help="also show this host path, read-only, to the cells (repeatable)")

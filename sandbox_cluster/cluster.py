@@ -97,6 +97,8 @@ class LocalCluster:
         if not 0 <= priority_boost <= 19:
             raise ValueError(f"priority_boost={priority_boost} outside [0, 19]")
         self._priority_boost = priority_boost
+        if not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s={start_timeout_s} must be > 0")
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         try:
@@ -134,7 +136,7 @@ class LocalCluster:
             self._start_broker(address, worker_address, max_queue)
             for i in range(workers):
                 self.workers[i] = self._spawn_worker(i)
-            self._wait_ready(start_timeout_s)
+            self._wait_registered(start_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -173,6 +175,30 @@ class LocalCluster:
                       "--heartbeat-interval", str(interval), "--heartbeat-liveness", str(liveness)),
             stdin=subprocess.DEVNULL, env=self._env,
         )
+
+    def _wait_registered(self, timeout_s: float) -> None:
+        """Until the broker answers and every worker has registered all its slots (idle or already
+        busy: clients may keep them busy from the first second). A worker that exits before it
+        registered is an error; from then on the supervisor restarts dead workers, whatever the load."""
+        names = {f"local-{i}" for i in range(self.n_workers)}
+        end = time.monotonic() + timeout_s
+        with SandboxClient(self.address) as client:
+            while True:
+                dead = [i for i, proc in enumerate(self.workers) if proc is not None and proc.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"worker {dead[0]} exited with {self.workers[dead[0]].returncode} during "
+                                       f"start (see log)")
+                if self.broker.poll() is not None:
+                    raise RuntimeError(f"broker exited with {self.broker.returncode} during start")
+                status = client.status(timeout=max(1.0, end - time.monotonic()))
+                registered = {w.name for w in status.workers if w.free + w.in_flight >= w.slots}
+                if names <= registered:
+                    return
+                if time.monotonic() > end:
+                    missing = sorted(names - registered)
+                    raise RuntimeError(f"cluster not started after {timeout_s:g} s: worker(s) {', '.join(missing)} "
+                                       f"not registered ({status})")
+                time.sleep(0.05)
 
     def _wait_ready(self, timeout_s: float, *, starting: bool = True) -> None:
         """Until every slot is registered and free. While starting, a worker that exits is an error;

@@ -145,3 +145,70 @@ def test_bench_smoke_reports_all_modes():
     # the warm cluster beats a fresh interpreter on the sympy snippet by a wide margin even on a busy box
     assert rows[("sympy", "fresh python -c", 1)]["p50_ms"] > 5 * rows[("sympy", "cluster", 1)]["p50_ms"]
     assert "sandbox execution" in out.stderr  # the table went to stderr because of --json
+
+
+def _workers_named(pid: int, name: str) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:  # a zygote's exited cell, not yet reaped
+            continue
+        if "worker" in cmd and name in cmd:
+            found.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_a_serve_kept_busy_from_its_first_second_serves_on_and_restarts_a_killed_worker():
+    """Issue 37: the clients keep both slots busy from before the cluster is up until well past its
+    start timeout; serve starts all the same, and a worker killed in that window is restarted."""
+    import asyncio
+    import threading
+
+    port = _free_port_pair()
+    address = f"tcp://127.0.0.1:{port}"
+    start_timeout, cells = 8.0, 40  # 40 cells of 1 s on 2 slots: ~20 s of work, queued before serve starts
+    results: list = []
+
+    def flood() -> None:
+        async def main():
+            with SandboxClient(address) as client:
+                return await asyncio.gather(*(client.arun("import time; time.sleep(1.0); print('done')", timeout=10)
+                                              for _ in range(cells)))
+        results.extend(asyncio.run(main()))
+
+    feeder = threading.Thread(target=flood, daemon=True)
+    feeder.start()
+    proc = subprocess.Popen([*CLI, "serve", "--bind", address, "--workers", "2", "--start-timeout", str(start_timeout)],
+                            stdout=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "serve did not come up"
+        line = proc.stdout.readline()
+        assert line.startswith(f"serving clients at {address}"), (line, proc.poll())
+        with SandboxClient(address) as client:
+            assert client.status().queued > 0  # started while busy
+        workers = _workers_named(proc.pid, "local-0")
+        assert len(workers) == 1
+        workers[0].kill()  # in the busy window, before the start timeout has passed
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            again = [c for c in _workers_named(proc.pid, "local-0") if c.pid != workers[0].pid]
+            if again:
+                break
+            time.sleep(0.2)
+        assert again, "the killed worker was not restarted"
+        feeder.join(120)
+        assert time.monotonic() - t0 > start_timeout and proc.poll() is None  # busy past the timeout, serving
+        assert len(results) == cells and all(r.status == Status.OK and r.stdout == "done\n" for r in results), \
+            [r.status for r in results]
+        with SandboxClient(address) as client:
+            assert client.run("print(6 * 7)").stdout == "42\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -42,7 +42,7 @@ def test_a_killed_broker_is_restarted_and_the_cluster_serves_again():
 
 def test_the_directory_goes_when_the_start_fails():
     before = _dirs_of(os.getpid())
-    with pytest.raises(RuntimeError, match="not ready"):
+    with pytest.raises(RuntimeError, match="not started after 0.01 s: worker\(s\) local-0 not registered"):
         LocalCluster(workers=1, start_timeout_s=0.01)
     assert _dirs_of(os.getpid()) - before == set()
 
