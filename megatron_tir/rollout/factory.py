@@ -92,9 +92,11 @@ def engine_settings(cfg: EngineConfig, model_dir: Path):
 
     from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
     from megatron_tir.rollout.engines.sglang import SGLangEngineConfig
+    from megatron_tir.rollout.engines.sglang.client import checkpoint_bytes, load_wait_s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=resolve_eos_token_ids(model_dir, tokenizer=tokenizer))
+    return SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=resolve_eos_token_ids(model_dir, tokenizer=tokenizer),
+                              restart_timeout_s=load_wait_s(checkpoint_bytes(model_dir)))  # as long as a load takes
 
 
 def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=None) -> tuple[GenerationEngine, object]:

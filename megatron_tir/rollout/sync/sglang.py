@@ -10,12 +10,16 @@ scheduler holds requests):
 
 The session is ended and generation resumed on failure too, and the error re-raised.
 
-Restarts: before each sync every server must answer ``/model_info`` within
-``rejoin_timeout_s`` (else SGLangError naming it: the sync never waits on a server that is
-gone); one whose version is not the engine's restarted (launch weights, not in the group).
-:class:`DistributedWeightSync` then rebuilds the group for all servers (new name and port:
-the others leave the old one) before the buckets go out; the sync brings every server to
-the new version, and the client gives the restarted one work again.
+Restarts: before each sync the servers are asked for ``/model_info``
+(``SGLangEngine.wait_servers_back``): one that does not answer within ``rejoin_timeout_s``
+while others do is left out -- the sync goes on with the servers that answered, and the late
+one is marked down and stale (no work) until a later sync finds it back and brings it to the
+current version; only when none answers does the sync wait as long as a load takes
+(``SGLangEngineConfig.restart_timeout_s``), then fail naming them. One whose version is not
+the engine's restarted (launch weights, not in the group). :class:`DistributedWeightSync`
+rebuilds the group (new name and port: the others leave the old one) whenever a server
+restarted or the set of servers changed, before the buckets go out; the sync brings every
+server it reaches to the new version, and the client gives a restarted one work again.
 
 Colocated (:class:`TensorWeightSync`; the servers share the trainer's GPUs), around each
 training phase: ``offload()`` = pause -> flush (retried until the scheduler is idle) -> ``/release_memory_occupation`` (weights,
@@ -86,7 +90,9 @@ class DistributedWeightSyncConfig:
     group_name: str = "megatron_tir_weights"
     backend: str = "nccl"  # gloo works on CPU (tests)
     timeout_s: float = 600.0  # joining the group; one broadcast
-    rejoin_timeout_s: float = 120.0  # before a sync: how long a server that is down (restarting) is waited for
+    # before a sync: how long a server that does not answer is waited for while others do (then the sync goes
+    # on without it); None: the engine's SGLangEngineConfig.rejoin_timeout_s
+    rejoin_timeout_s: float | None = None
     pause_mode: PauseMode = PauseMode.ABORT  # what a sync does with requests in flight
     load_format: str | None = FLATTENED  # one broadcast per bucket; None: one per tensor
 
@@ -103,8 +109,8 @@ class DistributedWeightSyncConfig:
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not self.rejoin_timeout_s > 0:
-            raise ValueError(f"rejoin_timeout_s must be > 0, got {self.rejoin_timeout_s}")
+        if self.rejoin_timeout_s is not None and not self.rejoin_timeout_s > 0:
+            raise ValueError(f"rejoin_timeout_s must be > 0 (or None: the engine's), got {self.rejoin_timeout_s}")
         self.pause_mode = as_pause_mode(self.pause_mode)
         if self.pause_mode not in SYNC_PAUSE_MODES:
             raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {self.pause_mode.value}")
@@ -233,7 +239,8 @@ class DistributedWeightSync:
         self.group = None
         self.world_size = 0
         self.group_name = config.group_name
-        self.rebuilds = 0  # groups rebuilt for servers that restarted
+        self.rebuilds = 0  # groups rebuilt for servers that restarted or were left out
+        self.members: tuple[str, ...] = ()  # the servers in the group (URLs)
 
     async def start(self) -> None:
         """Check the servers and read their weight version, then build the group; fails at once
@@ -264,19 +271,23 @@ class DistributedWeightSync:
             raise
         await init
         self.world_size, self.group_name = world_size, group_name
+        self.members = tuple(s.url for s in self.engine.sync_targets)
         log.info("weight-update group %s ready (world size %d)", group_name, world_size)
 
     async def rejoin(self) -> bool:
-        """Before a sync: wait (``rejoin_timeout_s``) for every server; when one restarted (its
-        weight version is not the engine's: it is not in the group any more), rebuild the group
-        for all of them under a new name and port. Returns whether it rebuilt."""
+        """Before a sync: the servers that take part (``SGLangEngine.wait_servers_back``); when one
+        restarted (its weight version is not the engine's: it is not in the group any more) or the
+        set of servers changed (one left out, or back), rebuild the group for them under a new
+        name and port. Returns whether it rebuilt."""
         import torch.distributed as dist
 
         behind = await self.engine.wait_servers_back(self.config.rejoin_timeout_s)
-        if not behind and not any(s.stale for s in self.engine.pool.servers):
+        targets = self.engine.sync_targets
+        members = tuple(s.url for s in targets)
+        if not behind and members == self.members and not any(s.stale for s in targets):
             return False
-        log.warning("rebuilding weight-update group %s for %s (restarted)", self.group_name,
-                    ", ".join(s.url for s in self.engine.pool.servers if s.stale))
+        log.warning("rebuilding weight-update group %s for %s (restarted: %s)", self.group_name, ", ".join(members),
+                    ", ".join(s.url for s in targets if s.stale) or "none")
         await self.engine.destroy_weights_update_group(self.group_name, best_effort=True)
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -320,7 +331,8 @@ class DistributedWeightSync:
                     await announce
 
         version = await _run_sync(self.engine, self.config.pause_mode, load)
-        log.info("weights (version %d) sent to %d server(s)", version, len(self.engine.pool.servers))
+        log.info("weights (version %d) sent to %d of %d server(s)", version, len(self.engine.sync_targets),
+                 len(self.engine.pool.servers))
         return version
 
     async def close(self) -> None:
@@ -404,13 +416,13 @@ class TensorWeightSync:
     """Colocated sync: CUDA IPC handles of this rank's tensors to every server TP rank."""
 
     def __init__(self, engine: SGLangEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT,
-                 local_addresses: Iterable[str] | None = None, rejoin_timeout_s: float = 120.0,
+                 local_addresses: Iterable[str] | None = None, rejoin_timeout_s: float | None = None,
                  load_format: str | None = FLATTENED) -> None:
         if load_format not in (None, FLATTENED):
             raise ValueError(f"load_format must be {FLATTENED!r} or None, got {load_format!r}")
         self.load_format = load_format
-        if not rejoin_timeout_s > 0:
-            raise ValueError(f"rejoin_timeout_s must be > 0, got {rejoin_timeout_s}")
+        if rejoin_timeout_s is not None and not rejoin_timeout_s > 0:
+            raise ValueError(f"rejoin_timeout_s must be > 0 (or None: the engine's), got {rejoin_timeout_s}")
         self.rejoin_timeout_s = rejoin_timeout_s
         mode = as_pause_mode(pause_mode)
         self.local_addresses = None if local_addresses is None else frozenset(local_addresses)
@@ -439,8 +451,8 @@ class TensorWeightSync:
         await self.engine.release_memory_occupation(list(MEMORY_TAGS))
 
     async def update(self, buckets: Iterable[Bucket]) -> int:
-        """One sync into every server; a server that restarted is waited for (``rejoin_timeout_s``)
-        and updated with the others (no group to rebuild)."""
+        """One sync into every server that answers (``SGLangEngine.wait_servers_back``); a server
+        that restarted is updated with the others (no group to rebuild)."""
         await self.engine.wait_servers_back(self.rejoin_timeout_s)
         tp_sizes = [info["tp_size"] for info in await self.engine.server_info(refresh=True)]
 

@@ -32,9 +32,13 @@ per-stage senders take a lock around each bucket for the same reason. The stages
 parallel where they can: a sender builds its next bucket while another stage's is on the wire,
 and no stage's bytes take a hop to rank 0 first.
 
-Restarts and failures: before each sync rank 0 waits for every server (``rejoin_timeout_s``);
-when one restarted (its weight version is not the engine's), every group is rebuilt under a new
-generation before the buckets go out. Any rank's error reaches every rank (one gather at the
+Restarts and failures: before each sync rank 0 asks every server for its version
+(``SGLangEngine.wait_servers_back``): one that does not answer within ``rejoin_timeout_s`` while
+others do is left out (the sync goes on; the late one gets no work until a later sync finds it
+back and brings it to the current version), and only when none answers is the wait as long as a
+load takes (``SGLangEngineConfig.restart_timeout_s``). When one restarted (its weight version is
+not the engine's) or the set of servers changed, every group is rebuilt under a new generation
+before the buckets go out. Any rank's error reaches every rank (one gather at the
 end of each call), so all raise the same one-line error; a sender whose servers stopped
 receiving gives up at the group's ``timeout_s``.
 """
@@ -70,7 +74,9 @@ class StageWeightSyncConfig:
     group_name: str = "megatron_tir_weights"
     backend: str = "nccl"  # gloo works on CPU (tests, bench)
     timeout_s: float = 600.0  # joining a group; one broadcast
-    rejoin_timeout_s: float = 120.0  # before a sync: how long a server that is down (restarting) is waited for
+    # before a sync: how long a server that does not answer is waited for while others do (then the sync goes
+    # on without it); None: the engine's SGLangEngineConfig.rejoin_timeout_s
+    rejoin_timeout_s: float | None = None
     pause_mode: PauseMode = PauseMode.ABORT
     bucket_bytes: int = 256 << 20
     load_format: str | None = FLATTENED  # None: one broadcast per tensor (SGLang's default format)
@@ -85,9 +91,11 @@ class StageWeightSyncConfig:
             raise ValueError("group_name is empty")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
-        if not self.timeout_s > 0 or not self.rejoin_timeout_s > 0 or not self.coordination_timeout_s > 0:
-            raise ValueError(f"timeout_s, rejoin_timeout_s and coordination_timeout_s must be > 0, got "
-                             f"{self.timeout_s}, {self.rejoin_timeout_s}, {self.coordination_timeout_s}")
+        if not self.timeout_s > 0 or not self.coordination_timeout_s > 0:
+            raise ValueError(f"timeout_s and coordination_timeout_s must be > 0, got "
+                             f"{self.timeout_s}, {self.coordination_timeout_s}")
+        if self.rejoin_timeout_s is not None and not self.rejoin_timeout_s > 0:
+            raise ValueError(f"rejoin_timeout_s must be > 0 (or None: the engine's), got {self.rejoin_timeout_s}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.load_format not in (None, FLATTENED):
@@ -263,7 +271,8 @@ class StageWeightSync:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.coordination_timeout_s))
         self.generation = -1
         self.group_names: list[str] = []
-        self.rebuilds = 0  # groups rebuilt for servers that restarted
+        self.rebuilds = 0  # groups rebuilt for servers that restarted or were left out
+        self.members: tuple[str, ...] = ()  # rank 0: the servers in the groups (URLs)
 
     # ------------------------------------------------------------------ trainer-side collectives
 
@@ -301,11 +310,14 @@ class StageWeightSync:
         return 1 + sum(info["tp_size"] for info in await self.engine.server_info(refresh=True))
 
     async def _check_servers(self) -> bool:
-        """Rank 0 before a sync: every server back (waited for); True when one restarted."""
+        """Rank 0 before a sync: the servers that take part; True when one restarted or the set of
+        servers changed (the groups are rebuilt for them)."""
         behind = await self.engine.wait_servers_back(self.config.rejoin_timeout_s)
-        return bool(behind) or any(s.stale for s in self.engine.pool.servers)
+        targets = self.engine.sync_targets
+        return bool(behind) or tuple(s.url for s in targets) != self.members or any(s.stale for s in targets)
 
     async def _init_groups(self, endpoints: list[tuple[str, int]]) -> None:
+        self.members = tuple(s.url for s in self.engine.sync_targets)
         for stage, (address, port) in enumerate(endpoints):  # one stage at a time (see Order)
             await self.engine.init_weights_update_group(master_address=address, master_port=port,
                                                         group_name=self.group_names[stage],
@@ -382,7 +394,7 @@ class StageWeightSync:
             plan, error = self._on_rank0(check())
         restarted, world = self._raise_any(error, "waiting for the servers", plan)
         if restarted:
-            log.warning("rebuilding the weight-update groups: a server restarted")
+            log.warning("rebuilding the weight-update groups: a server restarted, was left out or is back")
             self._drop_groups()
             self.rebuilds += 1
             self._build_groups(world)
@@ -423,8 +435,8 @@ class StageWeightSync:
                     load_format=self.config.load_format)
 
         version = await _run_sync(self.engine, self.config.pause_mode, load)
-        log.info("weights (version %d) sent from %d stage(s) to %d server(s)", version, len(layout),
-                 len(self.engine.pool.servers))
+        log.info("weights (version %d) sent from %d stage(s) to %d of %d server(s)", version, len(layout),
+                 len(self.engine.sync_targets), len(self.engine.pool.servers))
         return version
 
     def close(self) -> None:

@@ -47,6 +47,14 @@ Restarts
     see :mod:`megatron_tir.rollout.sync.sglang`). A health check that finds a server back
     after it was down also reads its version (``/model_info``) before giving it work.
 
+    Before a sync, :meth:`SGLangEngine.wait_servers_back` waits ``rejoin_timeout_s`` for a
+    server that does not answer while others do; then the sync goes on with the servers that
+    answered (``sync_targets``: every control call of that sync goes to them only) and the late
+    one is marked down and stale: it gets no work until a later sync, which finds it back,
+    brings it to the current version. Only when no server answers does the sync wait longer,
+    ``restart_timeout_s``: as long as loading the model and capturing CUDA graphs takes
+    (:func:`load_wait_s` derives it from the checkpoint's size), then it fails naming them.
+
 Weight version
     ``weight_version`` is the servers' version as an int (SGLang's ``"default"`` at launch
     is 0): read with ``fetch_weight_version`` (``GET /model_info``) and set by every
@@ -62,6 +70,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -86,6 +95,13 @@ from megatron_tir.rollout.engines.sglang.wire import (
 log = logging.getLogger(__name__)
 
 SERVER_KEEPALIVE_S = 5.0  # sglang/srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE default
+# A server restart = process start + weight load + CUDA-graph capture (3-6 min at 32B). Loading reads the
+# checkpoint from a shared filesystem that the other servers may be reading too (0.5 GB/s per server assumed);
+# capturing the default batch sizes takes 1-2 min at 7B-32B. The wait is twice that sum, at least 5 min:
+# Qwen2.5-32B in bf16 (65.5 GB) 8.4 min, Qwen2.5-7B (15.2 GB) 5.0 min.
+LOAD_BYTES_PER_S = 0.5e9
+CUDA_GRAPH_CAPTURE_S = 120.0
+MIN_RESTART_WAIT_S = 300.0
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # never reached the server
 
 
@@ -106,6 +122,11 @@ class SGLangEngineConfig:
     max_attempts: int = 3  # servers tried per request (safe failures only)
     retry_backoff_s: float = 0.2
     max_route_keys: int = 100_000  # sticky-routing table size (see pool.py)
+    # before a sync: how long a server that does not answer is waited for while others answer; then the
+    # sync goes on without it (it gets no work until a later sync brings it to the current version)
+    rejoin_timeout_s: float = 30.0
+    # before a sync when no server answers (all restarting): as long as a load takes (see load_wait_s)
+    restart_timeout_s: float = MIN_RESTART_WAIT_S
 
     def __post_init__(self) -> None:
         self.server_urls = tuple(str(u).rstrip("/") for u in self.server_urls)
@@ -121,7 +142,8 @@ class SGLangEngineConfig:
             raise ValueError(f"eos_token_ids must be non-empty and non-negative, got {self.eos_token_ids}")
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s", "flush_timeout_s"):
+        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s", "flush_timeout_s",
+                     "rejoin_timeout_s", "restart_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.health_timeout_s > 1.0:
@@ -140,6 +162,20 @@ class SGLangEngineConfig:
             raise ValueError(f"max_route_keys must be >= 1, got {self.max_route_keys}")
 
 
+def load_wait_s(checkpoint_bytes: int) -> float:
+    """How long a restarting server may take to answer again: twice (loading ``checkpoint_bytes``
+    at ``LOAD_BYTES_PER_S`` + ``CUDA_GRAPH_CAPTURE_S``), at least ``MIN_RESTART_WAIT_S``."""
+    if checkpoint_bytes < 0:
+        raise ValueError(f"checkpoint_bytes must be >= 0, got {checkpoint_bytes}")
+    return max(MIN_RESTART_WAIT_S, 2 * (checkpoint_bytes / LOAD_BYTES_PER_S + CUDA_GRAPH_CAPTURE_S))
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """Bytes of the weight files (``*.safetensors``, ``*.bin``, ``*.pt``) in an HF directory: what a server loads."""
+    return sum(f.stat().st_size for f in Path(model_dir).iterdir()
+               if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt"))
+
+
 class SGLangEngine(SGLangControl):
     """GenerationEngine over one or more SGLang servers (see the module docstring).
 
@@ -150,10 +186,12 @@ class SGLangEngine(SGLangControl):
         self.config = config
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.pool = ServerPool(config.server_urls, max_keys=config.max_route_keys)
+        # the servers the current weight sync addresses (wait_servers_back sets it; all until then)
+        self.sync_targets: list[ServerState] = list(self.pool.servers)
         self.paused = False  # between pause() and resume(): health checks are suspended
         self.released_memory: tuple[str, ...] = ()  # tags released on every server, not yet resumed
         self._released_on: dict[str, tuple[str, ...]] = {}  # per server URL: what it holds released
-        self._server_info: list[dict[str, Any]] | None = None
+        self._server_info: dict[str, dict[str, Any]] = {}  # per server URL: its /server_info
         self._weight_version = 0
         self.stale_responses = 0  # answers dropped because their server served older weights
         self._session: aiohttp.ClientSession | None = None
@@ -370,30 +408,56 @@ class SGLangEngine(SGLangControl):
         info = await self._get_json(server, "/model_info", timeout)
         return parse_weight_version(info.get("weight_version"), where=f"{server.url}/model_info")
 
-    async def wait_servers_back(self, timeout_s: float, *, poll_s: float = 0.2) -> list[ServerState]:
-        """Before a sync: every server answers ``/model_info`` within ``timeout_s`` (a restarting
-        one is waited for); returns the servers whose version is not the engine's (restarted),
-        marked stale. SGLangError naming each server that did not answer in time."""
+    async def wait_servers_back(self, timeout_s: float | None = None, *, restart_timeout_s: float | None = None,
+                                poll_s: float = 0.2) -> list[ServerState]:
+        """Before a sync: which servers take part (see the module docstring, Restarts).
+
+        Polls ``/model_info`` of every server until all answered, or ``timeout_s`` (default: the
+        config's ``rejoin_timeout_s``) passed and at least one did, or ``restart_timeout_s``
+        (the config's by default) passed and none did (SGLangError naming them). Sets
+        ``sync_targets`` to the servers that answered; each that did not is marked down and stale
+        (no work until a sync reaches it). Returns the answering servers whose version is not the
+        engine's (restarted), marked stale."""
+        await self.start()
+        wait = self.config.rejoin_timeout_s if timeout_s is None else timeout_s
+        wait_all = max(wait, self.config.restart_timeout_s if restart_timeout_s is None else restart_timeout_s)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-
-        async def one(server: ServerState) -> int:
-            while True:
-                left = deadline - loop.time()
-                try:
-                    return await asyncio.wait_for(self.server_weight_version(server, max(left, 0.05)), max(left, 0.05))
-                except (SGLangError, TimeoutError) as exc:
-                    if loop.time() + poll_s >= deadline:
-                        raise SGLangError(f"{server.url} did not answer within {timeout_s:g}s, so the weight sync "
-                                          f"cannot complete: {exc}") from None
-                await asyncio.sleep(poll_s)
-
-        results = await asyncio.gather(*(one(s) for s in self.pool.servers), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise SGLangError("; ".join(str(e) for e in errors))
+        started = loop.time()
+        answered: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        while len(answered) < len(self.pool.servers):
+            left = started + (wait if answered else wait_all) - loop.time()
+            if left <= 0:
+                break
+            waiting = [s for s in self.pool.servers if s.url not in answered]
+            call_s = max(min(left, self.config.health_timeout_s), 0.05)
+            results = await asyncio.gather(*(asyncio.wait_for(self.server_weight_version(s, call_s), call_s)
+                                             for s in waiting), return_exceptions=True)
+            for server, result in zip(waiting, results):
+                if isinstance(result, (SGLangError, TimeoutError)):
+                    errors[server.url] = str(result) or type(result).__name__
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    answered[server.url] = result
+            if len(answered) < len(self.pool.servers):
+                await asyncio.sleep(min(poll_s, max(started + (wait if answered else wait_all) - loop.time(), 0)))
+        if not answered:
+            raise SGLangError(f"no SGLang server answered within {wait_all:g}s, so the weight sync cannot run: "
+                              + "; ".join(f"{u}: {e}" for u, e in errors.items()))
+        self.sync_targets = [s for s in self.pool.servers if s.url in answered]
+        for server in self.pool.servers:
+            if server.url not in answered:
+                why = f"did not answer within {wait:g}s before a weight sync ({errors.get(server.url)})"
+                self.pool.mark_down(server, why)
+                self.pool.mark_stale(server, "it missed a weight sync")
+        if len(self.sync_targets) < len(self.pool.servers):
+            log.warning("weight sync goes on with %d of %d servers; %s get(s) no work until a sync reaches them",
+                        len(self.sync_targets), len(self.pool.servers),
+                        ", ".join(s.url for s in self.pool.servers if s.url not in answered))
         behind = []
-        for server, version in zip(self.pool.servers, results):
+        for server in self.sync_targets:
+            version = answered[server.url]
             if version != self._weight_version:
                 self._mark_restarted(server, f"weight version {version}, the engine's is {self._weight_version}")
                 behind.append(server)
@@ -411,6 +475,7 @@ class SGLangEngine(SGLangControl):
             log.warning("SGLang servers hold different weight versions %s; the next sync aligns them",
                         dict(zip((s.url for s in self.pool.servers), versions)))
         self._weight_version = max(versions)
+        self.sync_targets = list(self.pool.servers)  # every server answered
         for server, version in zip(self.pool.servers, versions):
             if version != self._weight_version:
                 self._mark_restarted(server, f"weight version {version}, the others' is {self._weight_version}")

@@ -2,7 +2,9 @@
 that go to every server at once and change what they hold -- pause and resume, the weight-update
 session and group, ``update_weights_from_*``, ``flush_cache``, memory release and resume, and the
 ``/server_info`` they check against. Only the weight sync (:mod:`megatron_tir.rollout.sync.sglang`)
-drives them; generation, health and the weight-version reads stay in ``client``.
+drives them; generation, health and the weight-version reads stay in ``client``. "Every server" is
+``sync_targets``: the servers the current sync addresses (all of them, unless one did not answer
+before it, see ``SGLangEngine.wait_servers_back``).
 
 ``SGLangControl`` is a mixin of ``SGLangEngine`` (one object, so the engine's public methods are
 unchanged): it uses the engine's ``config``, ``pool``, ``start()``, ``_post`` and ``_get_json`` and
@@ -42,7 +44,8 @@ class SGLangControl:
     paused: bool
     released_memory: tuple[str, ...]
     _released_on: dict[str, tuple[str, ...]]
-    _server_info: list[dict[str, Any]] | None
+    _server_info: dict[str, dict[str, Any]]
+    sync_targets: list[ServerState]
     _weight_version: int
     _admitting: asyncio.Event | None
 
@@ -51,8 +54,8 @@ class SGLangControl:
     async def call_all(self, path: str, payload: dict[str, Any] | None = None, *,
                        payload_for: Callable[[int], dict[str, Any]] | None = None,
                        fail_fast: bool = False, servers: Sequence[ServerState] | None = None) -> list[Any]:
-        """POST ``path`` to every server (or to ``servers``) at once; SGLangError listing each server
-        that failed.
+        """POST ``path`` to every server of the sync (or to ``servers``) at once; SGLangError listing
+        each server that failed.
 
         ``payload_for(i)`` gives server i its own payload (e.g. its rank offset). With
         ``fail_fast`` the first failure raises at once (the other calls are cancelled).
@@ -80,7 +83,7 @@ class SGLangControl:
                 raise SGLangError(f"{server.url}{path} answered {status}: {error_message(answer)}")
             return answer
 
-        tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(self.pool.servers if servers is None else servers)]
+        tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(self.sync_targets if servers is None else servers)]
         if fail_fast:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
@@ -89,10 +92,11 @@ class SGLangControl:
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     async def server_info(self, *, refresh: bool = False) -> list[dict[str, Any]]:
-        """``GET /server_info`` of every server (cached); SGLangError unless each has dp_size 1
-        and, when the config names one, the expected tp_size."""
-        if self._server_info is not None and not refresh:
-            return self._server_info
+        """``GET /server_info`` of every server of the sync (cached per server), in their order;
+        SGLangError unless each has dp_size 1 and, when the config names one, the expected tp_size."""
+        targets = list(self.sync_targets)
+        if not refresh and all(s.url in self._server_info for s in targets):
+            return [self._server_info[s.url] for s in targets]
         await self.start()
 
         async def one(server: ServerState) -> dict[str, Any]:
@@ -109,8 +113,9 @@ class SGLangControl:
                 raise SGLangError(f"{server.url} runs tp_size={tp}, the config expects {self.config.tp_size}")
             return info
 
-        self._server_info = list(await asyncio.gather(*(one(s) for s in self.pool.servers)))
-        return self._server_info
+        infos = list(await asyncio.gather(*(one(s) for s in targets)))
+        self._server_info.update((s.url, info) for s, info in zip(targets, infos))
+        return infos
 
     async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:
         """Stop admitting requests here and ``/pause_generation`` on every server.
@@ -127,8 +132,9 @@ class SGLangControl:
     async def resume(self) -> None:
         """``/continue_generation`` on every server; each that answers is healthy again, each
         that does not is marked down (requests go to the others). SGLangError if none answers."""
-        results = await self._call_each("/continue_generation", {})
-        for server, result in zip(self.pool.servers, results, strict=True):
+        targets = list(self.sync_targets)
+        results = await self._call_each("/continue_generation", {}, servers=targets)
+        for server, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 self.pool.mark_down(server, f"/continue_generation failed: {result}")
             else:
@@ -171,7 +177,7 @@ class SGLangControl:
                                       f"{error_message(answer).strip()}")
                 await asyncio.sleep(0.05)
 
-        results = await asyncio.gather(*(one(s) for s in self.pool.servers), return_exceptions=True)
+        results = await asyncio.gather(*(one(s) for s in self.sync_targets), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise SGLangError("; ".join(str(e) for e in errors))
@@ -183,13 +189,14 @@ class SGLangControl:
         """
         tags = tuple(MEMORY_TAGS if tags is None else tags)
         released = check_release(self.released_memory, tags, paused=self.paused)
-        no_saver = [s.url for s, info in zip(self.pool.servers, await self.server_info())
+        targets = list(self.sync_targets)
+        no_saver = [s.url for s, info in zip(targets, await self.server_info())
                     if not info.get("enable_memory_saver")]
         if no_saver:
             raise SGLangError(f"{', '.join(no_saver)} run(s) without --enable-memory-saver: release frees nothing")
-        await self.call_all("/release_memory_occupation", {"tags": list(tags)})
+        await self.call_all("/release_memory_occupation", {"tags": list(tags)}, servers=targets)
         self.released_memory = released
-        for server in self.pool.servers:
+        for server in targets:
             self._released_on[server.url] = tuple(dict.fromkeys(self._released_on.get(server.url, ()) + tags))
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
@@ -202,8 +209,8 @@ class SGLangControl:
         if not tags:
             return
         still = check_resume(self.released_memory, tags)
-        targets = [s for s in self.pool.servers if set(tags) <= set(self._released_on.get(s.url, ()))]
-        skipped = [s.url for s in self.pool.servers if s not in targets]
+        targets = [s for s in self.sync_targets if set(tags) <= set(self._released_on.get(s.url, ()))]
+        skipped = [s.url for s in self.sync_targets if s not in targets]
         if skipped:
             log.warning("not resuming %s on %s: restarted since the release", list(tags), ", ".join(skipped))
         if targets:
@@ -216,13 +223,14 @@ class SGLangControl:
                                         backend: str = "nccl") -> int:
         """Ask every server to join the trainer's broadcast group; returns its world size.
 
-        Rank 0 is the trainer; server i's TP ranks follow those of servers 0..i-1 (tp sizes
-        from ``/server_info``). Fails at the first server that cannot join.
+        Rank 0 is the trainer; server i's TP ranks follow those of servers 0..i-1 (the sync's
+        servers, tp sizes from ``/server_info``). Fails at the first server that cannot join.
         """
+        targets = list(self.sync_targets)
         tp_sizes = [info["tp_size"] for info in await self.server_info()]
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
         world_size = 1 + sum(tp_sizes)
-        await self.call_all("/init_weights_update_group", fail_fast=True, payload_for=lambda i: {
+        await self.call_all("/init_weights_update_group", fail_fast=True, servers=targets, payload_for=lambda i: {
             "master_address": master_address, "master_port": int(master_port),
             "rank_offset": offsets[i], "world_size": world_size,
             "group_name": group_name, "backend": backend,
@@ -255,20 +263,22 @@ class SGLangControl:
         version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        await self.call_all("/update_weights_from_distributed", payload)
+        targets = list(self.sync_targets)
+        await self.call_all("/update_weights_from_distributed", payload, servers=targets)
         if version is not None:
             self._weight_version = version
-            self.pool.mark_fresh()
+            self.pool.mark_fresh(targets)
 
     async def update_weights_from_tensor(self, payloads: Sequence[Sequence[str]], *, load_format: str | None = None,
                                          weight_version: str | None = None) -> None:
         """Colocated sync: ``payloads[i]`` is server i's list, one base64 MultiprocessingSerializer
         dump per TP rank (see ``megatron_tir.rollout.sync.sglang.serialize_for_tp_ranks``)."""
+        targets = list(self.sync_targets)
         tp_sizes = [info["tp_size"] for info in await self.server_info()]
         version = None if weight_version is None else parse_weight_version(weight_version, where="weight_version")
         if len(payloads) != len(tp_sizes):
             raise ValueError(f"update_weights_from_tensor: {len(payloads)} payload lists for {len(tp_sizes)} servers")
-        for server, payload, tp in zip(self.pool.servers, payloads, tp_sizes):
+        for server, payload, tp in zip(targets, payloads, tp_sizes):
             if len(payload) != tp:
                 raise ValueError(f"update_weights_from_tensor: {server.url} has tp_size {tp}, got {len(payload)} "
                                  "serialized payloads (one per TP rank)")
@@ -281,7 +291,7 @@ class SGLangControl:
                 out["weight_version"] = weight_version
             return out
 
-        await self.call_all("/update_weights_from_tensor", payload_for=body)
+        await self.call_all("/update_weights_from_tensor", payload_for=body, servers=targets)
         if version is not None:
             self._weight_version = version
-            self.pool.mark_fresh()
+            self.pool.mark_fresh(targets)

@@ -5,7 +5,7 @@ request while that server is healthy (sticky affinity: the turns of one trajecto
 a growing prefix, which that server's radix cache holds); otherwise, and for requests
 without a key, to the healthy server with the fewest requests in flight (ties: round
 robin). Servers marked stale (they answered with older weights than the engine's: they
-restarted) get no work until the next weight sync brings them back. When a key's server is down or failed the request, the key moves to the server
+restarted, or missed a weight sync) get no work until a weight sync brings them back. When a key's server is down or failed the request, the key moves to the server
 chosen instead. The key table keeps the ``max_keys`` most recently used keys.
 """
 
@@ -70,9 +70,9 @@ class ServerPool:
                         server.url, why)
         server.stale = True
 
-    def mark_fresh(self) -> None:
-        """After a weight sync every server serves the engine's weights."""
-        for server in self.servers:
+    def mark_fresh(self, servers: Sequence[ServerState] | None = None) -> None:
+        """After a weight sync the servers it reached (None: all) serve the engine's weights."""
+        for server in self.servers if servers is None else servers:
             if server.stale:
                 log.info("SGLang server %s rejoined with the current weights", server.url)
             server.stale = False

@@ -82,3 +82,54 @@ def test_a_restarted_server_rejoins_a_rebuilt_group_and_serves_the_new_weights(t
         assert g.finish_reason is FinishReason.LENGTH and g.meta["weight_version"] == "2"
         torch.testing.assert_close(torch.tensor(g.logprobs), reference_logprobs(model2, PROMPT, g.token_ids, 1.0),
                                    atol=1e-4, rtol=0)
+
+
+def test_a_server_down_at_a_sync_is_left_out_of_a_rebuilt_group_and_brought_back_by_the_next(tiny_qwen2, tmp_path):
+    """The sync does not wait a load's time for a server that is down while another answers (the
+    old 120 s wait ended 32B runs): the group is rebuilt without it (a broadcast into a group with
+    a dead member would hang), the run goes on; when it is back the next sync rebuilds the group
+    with it and it serves the new weights."""
+    configs = [SGLangServerConfig(model_path=str(tiny_qwen2), port=free_port(), random_seed=0,
+                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
+               for i in range(2)]
+    servers = [SGLangServer(c).start() for c in configs]
+    (_, w1), (_, w2), (model3, w3) = weights(tiny_qwen2, 3), weights(tiny_qwen2, 4), weights(tiny_qwen2, 5)
+    try:
+        for server in servers:
+            server.wait_healthy(timeout_s=120, poll_s=0.2)
+
+        def start_again() -> None:
+            servers[1] = SGLangServer(configs[1]).start()
+            servers[1].wait_healthy(timeout_s=120, poll_s=0.2)
+
+        async def main():
+            engine = SGLangEngine(SGLangEngineConfig(server_urls=tuple(s.url for s in servers), eos_token_ids=(0,),
+                                                     health_check_interval_s=0, rejoin_timeout_s=0.5))
+            sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
+                master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60))
+            await sync.start()
+            assert await sync.update(buckets_of(w1, 64 << 10)) == 1
+            await asyncio.to_thread(servers[1].stop)  # down, not back before the next sync
+            v2 = await asyncio.wait_for(sync.update(buckets_of(w2, 64 << 10)), 60)
+            members_v2 = sync.members
+            during = [await engine.generate(PROMPT, PARAMS) for _ in range(3)]
+            await asyncio.to_thread(start_again)
+            v3 = await sync.update(buckets_of(w3, 64 << 10))
+            after = [await engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0, route_key=f"k{i}"))
+                     for i in range(6)]
+            await sync.close()
+            await engine.close()
+            return v2, members_v2, during, v3, sync.members, after, sync.rebuilds
+
+        v2, members_v2, during, v3, members_v3, after, rebuilds = run(main(), timeout=300)
+    finally:
+        for server in servers:
+            server.stop()
+    assert (v2, v3, rebuilds) == (2, 3, 2)
+    assert members_v2 == (servers[0].url,) and members_v3 == tuple(s.url for s in servers)
+    assert all(g.meta["server"] == servers[0].url and g.meta["weight_version"] == "2" for g in during)
+    assert {g.meta["server"] for g in after} == {s.url for s in servers}
+    for g in after:
+        assert g.finish_reason is FinishReason.LENGTH and g.meta["weight_version"] == "3"
+        torch.testing.assert_close(torch.tensor(g.logprobs), reference_logprobs(model3, PROMPT, g.token_ids, 1.0),
+                                   atol=1e-4, rtol=0)
