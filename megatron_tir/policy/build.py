@@ -29,17 +29,27 @@ def te_available() -> bool:
 
 def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
     """The transformer layer spec: Transformer Engine on a GPU with TE; megatron-core's local spec
-    otherwise, with its core attention computed by fused SDPA (``attention``)."""
+    otherwise, with its core attention computed by fused SDPA (``attention``). Qwen3 adds the
+    query/key RMSNorm (``qk_layernorm``); an MoE model gets megatron-core's MoE layer (grouped-GEMM
+    experts with TE, ``SequentialMLP`` otherwise), whose separate ``pre_mlp_layernorm`` keeps its
+    own name in the local spec's checkpoints too (``keymap.moe_local_spec_keys_map``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = te_available()
+    experts = spec.num_experts or None
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_layernorm)
     from megatron_tir.policy.attention import SdpaDotProductAttention
+    from megatron_tir.policy.keymap import moe_local_spec_keys_map
 
-    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_layernorm,
+                                                     normalization="RMSNorm")
     local.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    if spec.is_moe:
+        local.submodules.sharded_state_dict_keys_map = moe_local_spec_keys_map(
+            local.submodules.sharded_state_dict_keys_map)
     return local
 
 
@@ -58,6 +68,10 @@ def build_gpt_model(spec: ModelSpec, *, pre_process: bool | None = None, post_pr
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if spec.is_moe:
+        config_overrides.setdefault("ep", parallel_state.get_expert_model_parallel_world_size())
+        config_overrides.setdefault("etp", parallel_state.get_expert_tensor_parallel_world_size())
+        config_overrides.setdefault("moe_grouped_gemm", te_available() if use_te is None else use_te)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -54,6 +54,12 @@ EXTRA_STATE = "_extra_state"  # TE modules' non-weight state (FP8 metadata): not
 _LAYERS = "decoder.layers."
 
 
+def moe_local_spec_keys_map(local_map: dict[str, str]) -> dict[str, str]:
+    """The local spec's prefix map for an MoE layer: the MoE layer's ``pre_mlp_layernorm`` is its
+    own module in the TE spec too (no fused ``linear_fc1`` to hold it), so it keeps its name."""
+    return {k: v for k, v in local_map.items() if k != "pre_mlp_layernorm."}
+
+
 def _map_prefix(rest: str, mapping: dict[str, str]) -> str:
     for old, new in mapping.items():  # as megatron-core's apply_prefix_mapping: the first prefix that matches
         if rest.startswith(old):
@@ -147,7 +153,15 @@ _QWEN2_RULES: tuple[KeyRule, ...] = (
     *_LLAMA_RULES[3:],
 )
 
-KEY_MAPS: dict[str, tuple[KeyRule, ...]] = {"llama": _LLAMA_RULES, "qwen2": _QWEN2_RULES}
+# Qwen3: no qkv bias; per-head RMSNorm of queries and keys (HF q_norm / k_norm, megatron-core's
+# q_layernorm / k_layernorm, the same in the TE spec: TENorm modules of those names)
+_QK_NORM_RULES: tuple[KeyRule, ...] = (
+    _layer(("self_attn.q_norm.weight",), "self_attention.q_layernorm.weight"),
+    _layer(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight"),
+)
+_QWEN3_RULES: tuple[KeyRule, ...] = (*_LLAMA_RULES[:3], *_QK_NORM_RULES, *_LLAMA_RULES[3:])
+
+KEY_MAPS: dict[str, tuple[KeyRule, ...]] = {"llama": _LLAMA_RULES, "qwen2": _QWEN2_RULES, "qwen3": _QWEN3_RULES}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -183,6 +197,8 @@ def _hf_shapes(rule: KeyRule, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
             return ((f, h), (f, h))
         case "linear_fc2.weight":
             return ((h, f),)
+        case "q_layernorm.weight" | "k_layernorm.weight":
+            return ((d,),)
         case _:  # norms
             return ((h,),)
 

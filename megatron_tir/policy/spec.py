@@ -1,11 +1,13 @@
 """What the policy model is: a typed description derived from a HuggingFace config.
 
-``ModelSpec.from_hf(config)`` accepts the dense decoder families this project trains
-(Llama, e.g. SmolLM2; Qwen2 / Qwen2.5) and refuses anything it would convert wrongly
-(another architecture, rope scaling, sliding window, biases Megatron's layer would not
-hold). ``ModelSpec.transformer_config()`` turns it into megatron-core's
-``TransformerConfig``: RMSNorm, SwiGLU, rotary embeddings (non-interleaved, the HF
-``rotate_half`` convention), grouped-query attention, qkv bias for Qwen2, no dropout.
+``ModelSpec.from_hf(config)`` accepts the decoder families this project trains (Llama,
+e.g. SmolLM2; Qwen2 / Qwen2.5; Qwen3 dense; Qwen3-MoE) and refuses anything it would convert
+wrongly (another architecture, rope scaling, sliding window, biases Megatron's layer would
+not hold, MoE models with dense layers in between). ``ModelSpec.transformer_config()`` turns
+it into megatron-core's ``TransformerConfig``: RMSNorm, SwiGLU, rotary embeddings
+(non-interleaved, the HF ``rotate_half`` convention), grouped-query attention, qkv bias for
+Qwen2, per-head RMSNorm of queries and keys before the rotary embedding for Qwen3
+(``qk_layernorm``), no dropout; for Qwen3-MoE megatron-core's MoE layer (``moe.py``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,25 @@ from typing import Any
 import torch
 
 # HF ``model_type`` -> family name used by the key maps (``megatron_tir.policy.keymap``).
-FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "Qwen3MoeForCausalLM": "qwen3_moe"}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSpec:
-    """A dense Llama-style decoder (the subset of HF configs Megatron's GPTModel reproduces exactly)."""
+    """A Llama-style decoder (the subset of HF configs Megatron's GPTModel reproduces exactly).
+
+    ``qk_layernorm``: queries and keys are RMS-normalised per head (Qwen3). MoE models
+    (``num_experts > 0``) have a routed-experts MLP in every layer: ``moe_router_topk`` of
+    ``num_experts`` experts of width ``moe_ffn_hidden_size`` per token; ``norm_topk_prob``
+    renormalises the chosen experts' softmax probabilities to sum to 1 (else they are the
+    softmax over all experts); ``router_aux_loss_coef`` is the model's load-balancing
+    coefficient (the training default; a learner setting may replace it).
+    """
 
     family: str
     vocab_size: int
@@ -42,6 +55,12 @@ class ModelSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     dtype: str = "float32"
+    qk_layernorm: bool = False
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES.values():
@@ -57,6 +76,20 @@ class ModelSpec:
             raise ValueError("rotary_base and norm_epsilon must be positive")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not supported (known: {sorted(_DTYPES)})")
+        if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
+            raise ValueError(f"family {self.family!r} with num_experts={self.num_experts}: MoE families "
+                             f"({', '.join(MOE_FAMILIES)}) need experts, the others have none")
+        if self.num_experts:
+            if self.moe_ffn_hidden_size <= 0:
+                raise ValueError(f"moe_ffn_hidden_size must be positive, got {self.moe_ffn_hidden_size}")
+            if not 0 < self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"moe_router_topk must be in 1..{self.num_experts}, got {self.moe_router_topk}")
+            if self.router_aux_loss_coef < 0:
+                raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,18 +99,29 @@ class ModelSpec:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """ValueError unless this model splits evenly over ``tp`` x ``pp`` ranks."""
-        if tp < 1 or pp < 1:
-            raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+        """ValueError unless this model splits evenly over ``tp`` x ``pp`` ranks, its experts over
+        ``ep`` expert-parallel ranks each split ``etp``-way (megatron-core's expert tensor
+        parallelism; ``None``: ``tp``, megatron-core's default)."""
+        etp = tp if etp is None else etp
+        if tp < 1 or pp < 1 or ep < 1 or etp < 1:
+            raise ValueError(f"tp, pp, ep and etp must be >= 1, got tp={tp} pp={pp} ep={ep} etp={etp}")
         for what, n in (("attention heads", self.num_attention_heads),
                         ("key/value heads", self.num_query_groups),
                         ("vocab size", self.vocab_size),
-                        ("ffn hidden size", self.ffn_hidden_size)):
+                        *((("ffn hidden size", self.ffn_hidden_size),) if not self.is_moe else ())):
             if n % tp:
                 raise ValueError(f"tp={tp} does not divide the {what} ({n})")
         if self.num_layers % pp:
             raise ValueError(f"pp={pp} does not divide the number of layers ({self.num_layers})")
+        if not self.is_moe:
+            if ep != 1 or etp != tp:
+                raise ValueError(f"ep={ep} / etp={etp}: expert parallelism needs an MoE model ({self.family} is dense)")
+            return
+        if self.num_experts % ep:
+            raise ValueError(f"ep={ep} does not divide the number of experts ({self.num_experts})")
+        if self.moe_ffn_hidden_size % etp:
+            raise ValueError(f"etp={etp} does not divide the expert ffn hidden size ({self.moe_ffn_hidden_size})")
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelSpec:
@@ -105,8 +149,11 @@ class ModelSpec:
             qkv_bias = False
         else:
             if cfg.get("use_sliding_window"):
-                raise ValueError("Qwen2 with use_sliding_window=true is not supported")
-            qkv_bias = True
+                raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+            qkv_bias = family == "qwen2"
+            if family != "qwen2" and cfg.get("attention_bias"):
+                raise ValueError(f"{model_type} with attention_bias=true is not supported")
+        moe = _moe_fields(cfg, model_type) if family in MOE_FAMILIES else {}
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -128,6 +175,8 @@ class ModelSpec:
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=dtype,
+            qk_layernorm=family in QK_NORM_FAMILIES,
+            **moe,
         )
 
     def to_dict(self) -> dict:
@@ -137,12 +186,14 @@ class ModelSpec:
     def from_dict(cls, d: dict) -> ModelSpec:
         return cls(**d)
 
-    def transformer_config(self, *, tp: int = 1, pp: int = 1, **overrides: Any):
-        """megatron-core ``TransformerConfig`` for this model at tensor/pipeline sizes ``tp``/``pp``."""
+    def transformer_config(self, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                           **overrides: Any):
+        """megatron-core ``TransformerConfig`` for this model at tensor/pipeline sizes ``tp``/``pp``
+        (and, for MoE, expert-parallel ``ep`` / expert-tensor-parallel ``etp``)."""
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        self.check_layout(tp, pp)
+        self.check_layout(tp, pp, ep, etp)
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
@@ -173,9 +224,30 @@ class ModelSpec:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
+            qk_layernorm=self.qk_layernorm,
         )
+        if self.is_moe:
+            from megatron_tir.policy.moe import moe_config_kwargs
+
+            kwargs.update(moe_config_kwargs(self, ep=ep, etp=tp if etp is None else etp, on_gpu=on_gpu))
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """The MoE fields of ``ModelSpec`` from a Qwen3-MoE config; ValueError for layouts Megatron's
+    uniform MoE stack would not reproduce (dense layers between the MoE layers)."""
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{model_type} with dense layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+                         f"decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not supported: "
+                         f"every layer must be an MoE layer")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{model_type} with shared experts is not supported")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    return dict(num_experts=int(experts), moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0),
+                moe_router_topk=int(cfg.get("num_experts_per_tok") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0))
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -196,7 +268,7 @@ def read_hf_config(hf_dir: Path) -> dict:
         model_type = raw.get("model_type") if isinstance(raw, dict) else None
         raise ValueError(f"unsupported architecture: model_type={model_type!r} "
                          f"architectures={raw.get('architectures') if isinstance(raw, dict) else None} "
-                         f"(supported: llama, qwen2)")
+                         f"(supported: {', '.join(FAMILIES)})")
     return raw
 
 

@@ -42,7 +42,7 @@ def test_smollm2_tp3(smollm2_dir, smollm2_ckpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tied", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("llama", True), ("qwen3", False), ("qwen3", True)])
 def test_tiny_tp2(family, tied, make_tiny_hf, convert_once):
     hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
     _check(hf_dir, convert_once(hf_dir), 2, 1)
@@ -64,3 +64,16 @@ def test_reshard_writes_the_target_layout_and_keeps_logits(make_tiny_hf, convert
     writers = {p.name.split("_")[2] for p in out.glob("__*_*.distcp")}  # __<rank>_<thread>.distcp
     assert writers == {"0", "1"}  # both ranks of the new layout wrote their stage
     _check(hf_dir, out, 1, 1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_qwen3_tp1(tied, make_tiny_hf, convert_once):
+    # QK-norm (perturbed norm weights), no qkv bias, head_dim 32 != hidden/heads
+    hf_dir = make_tiny_hf("qwen3", tie_word_embeddings=tied)
+    _check(hf_dir, convert_once(hf_dir), 1, 1)
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_pp2(make_tiny_hf, convert_once):
+    hf_dir = make_tiny_hf("qwen3", tie_word_embeddings=True)
+    _check(hf_dir, convert_once(hf_dir), 1, 2)

@@ -25,13 +25,14 @@ def _assert_same_tensors(src_dir, out_dir, tied: bool):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False),
+                                         ("qwen3", True), ("qwen3", False)])
 def test_tiny_round_trip_is_bit_exact(family, tied, make_tiny_hf, convert_once, tmp_path):
     hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
     ckpt = convert_once(hf_dir)
     meta = read_meta(ckpt)
     assert meta.spec.family == family and meta.spec.tie_word_embeddings == tied
-    assert meta.spec.qkv_bias == (family == "qwen2")
+    assert meta.spec.qkv_bias == (family == "qwen2") and meta.spec.qk_layernorm == (family == "qwen3")
     out = megatron_to_hf(ckpt, tmp_path / "hf")
     _assert_same_tensors(hf_dir, out, tied)
     config = json.loads((out / "config.json").read_text())

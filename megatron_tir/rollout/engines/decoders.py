@@ -8,7 +8,9 @@ requests in order, ``state`` is the opaque KV cache of those rows, ``None`` when
     state, order = decoder.keep_rows(state, keep)          # drop the other rows; order: old row
                                                            # indices in the new row order
 
-* :class:`SlotDecoder` (the default for Llama / Qwen2 / Mistral layouts): the KV cache is
+* :class:`SlotDecoder` (the default for Llama / Qwen2 / Mistral / Qwen3 dense layouts; Qwen3's
+  per-head RMSNorm of queries and keys, ``q_norm`` / ``k_norm``, runs before the rotary
+  embedding as in the HF forward): the KV cache is
   one preallocated buffer per K and V, ``[layers, slots, kv_heads, capacity, head_dim]``;
   row ``b``'s tokens sit in columns ``0 .. len_b - 1`` of slot ``b`` (no left padding), the
   new token's K/V is written in place, capacity grows by doubling (amortised O(1) per
@@ -18,7 +20,7 @@ requests in order, ``state`` is the opaque KV cache of those rows, ``None`` when
   length), so it computes what the HF forward computes, without the HF forward's per-step
   mask building, cache bookkeeping and ``torch.cat`` of the whole cache; its products run
   over weight copies laid out for the step's row count (see the class docstring).
-* :class:`HFDecoder` (any other architecture, and the previous implementation kept for
+* :class:`HFDecoder` (any other architecture, Qwen3-MoE included, and the previous implementation kept for
   ``bench/bench_engine.py``): the HF forward with a ``DynamicCache``, left-padded rows,
   an attention mask grown by one column per step, rows joined by padding and
   concatenating the caches.
@@ -37,9 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Decoder layers whose attention is q/k/v/o projections + rotary (no q/k norm), pre-norm
-# residual blocks, a final norm and an lm_head: what SlotDecoder re-implements step-wise.
-SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+# Decoder layers whose attention is q/k/v/o projections + rotary (Qwen3: after a per-head q/k
+# RMSNorm), pre-norm residual blocks with a dense SwiGLU MLP, a final norm and an lm_head: what
+# SlotDecoder re-implements step-wise.
+SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
 def supports_slot_decoder(model) -> bool:
@@ -49,7 +53,10 @@ def supports_slot_decoder(model) -> bool:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return False  # full attention only (the engine refuses other cache layers anyway)
     attn = model.model.layers[0].self_attn
-    return all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+    if config.model_type in QK_NORM_MODEL_TYPES:
+        names += ("q_norm", "k_norm")
+    return all(hasattr(attn, name) for name in names)
 
 
 def _prefill_hf(model, contexts: list[list[int]], device: torch.device):
@@ -189,6 +196,7 @@ class SlotDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.scaling = float(attn.scaling)
+        self.qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         self.layers = list(self.body.layers[: config.num_hidden_layers])
         self.dtype = self.body.embed_tokens.weight.dtype
         self.fused = [(_fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
@@ -350,7 +358,7 @@ class SlotDecoder:
                 qkv_w, gate_up_w = self.packed[i][0], self.packed[i][2]
             x = _rms_norm(layer.input_layernorm, hidden)
             qkv = _prefill_linear(x, qkv_w, qkv_b).view(tokens, qk_heads + kv_heads, head_dim)
-            qk = qkv[:, :qk_heads]
+            qk = _qk_norm(attn, qkv, heads, qk_heads) if self.qk_norm else qkv[:, :qk_heads]
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:]
             layer_keys, layer_values = state.keys[i], state.values[i]
@@ -416,7 +424,7 @@ class SlotDecoder:
             x = _rms_norm(layer.input_layernorm, hidden)
             qkv = _split_inner(x, qkv_t, qkv_b) if small else _linear(x, qkv_w, qkv_b)
             qkv = qkv.view(rows, qk_heads + kv_heads, head_dim)
-            qk = qkv[:, :qk_heads]
+            qk = _qk_norm(attn, qkv, heads, qk_heads) if self.qk_norm else qkv[:, :qk_heads]
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # RoPE on q and k at once
             k, v = qk[:, heads:], qkv[:, qk_heads:]
             layer_keys, layer_values = state.keys[i], state.values[i]
@@ -535,6 +543,12 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         return norm(x)  # HF computes in float32 and casts back; keep its rounding
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _qk_norm(attn: torch.nn.Module, qkv: torch.Tensor, heads: int, qk_heads: int) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of the query heads (``q_norm``) and key heads (``k_norm``) of a
+    fused ``[rows, heads + 2 * kv_heads, head_dim]`` projection: ``[rows, heads + kv_heads, head_dim]``."""
+    return torch.cat((_rms_norm(attn.q_norm, qkv[:, :heads]), _rms_norm(attn.k_norm, qkv[:, heads:qk_heads])), dim=1)
 
 
 def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

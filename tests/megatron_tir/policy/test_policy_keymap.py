@@ -35,7 +35,7 @@ def test_gate_up_is_gate_then_up():
     assert fused.shape == (256, 48) and fused[:128].sum() == 0 and fused[128:].sum() == 128 * 48
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_transforms_invert_exactly(family, tied):
     spec = _spec(family, tie_word_embeddings=tied)
@@ -51,7 +51,7 @@ def test_transforms_invert_exactly(family, tied):
 def test_plan_covers_every_hf_tensor_of_the_family(make_tiny_hf):
     from safetensors import safe_open
 
-    for family, tied in [("llama", True), ("qwen2", False)]:
+    for family, tied in [("llama", True), ("qwen2", False), ("qwen3", False)]:
         hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
         spec = ModelSpec.from_hf(tiny_config(family, tie_word_embeddings=tied))
         with safe_open(hf_dir / "model.safetensors", "pt") as f:
@@ -60,6 +60,7 @@ def test_plan_covers_every_hf_tensor_of_the_family(make_tiny_hf):
         assert planned == names
         assert ("lm_head.weight" in planned) == (not tied)
         assert any(n.endswith("q_proj.bias") for n in planned) == (family == "qwen2")
+        assert any(n.endswith("self_attn.k_norm.weight") for n in planned) == (family == "qwen3")
 
 
 def test_tables_are_readable_markdown():
@@ -68,5 +69,17 @@ def test_tables_are_readable_markdown():
         assert table.count("\n") == len(keymap.KEY_MAPS[family]) + 1
         assert "linear_qkv" in table and "qkv" in table and "gate_up" in table
     assert "q_proj.bias" in keymap.table("qwen2") and "q_proj.bias" not in keymap.table("llama")
+    assert "q_norm" in keymap.table("qwen3") and "q_proj.bias" not in keymap.table("qwen3")
     with pytest.raises(ValueError):
         keymap.table("gpt2")
+
+
+def test_qwen3_qk_norms_are_per_head_and_kept_apart():
+    spec = ModelSpec.from_hf(tiny_config("qwen3", head_dim=32))
+    plans = {p.megatron: p for p in keymap.plan(spec)}
+    q = plans["decoder.layers.1.self_attention.q_layernorm.weight"]
+    k = plans["decoder.layers.1.self_attention.k_layernorm.weight"]
+    assert q.hf == ("model.layers.1.self_attn.q_norm.weight",) and k.hf == ("model.layers.1.self_attn.k_norm.weight",)
+    assert q.hf_shapes == ((32,),) and k.megatron_shape == (32,)  # head_dim, not hidden
+    qkv = plans["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.hf_shapes == ((128, 64), (64, 64), (64, 64)) and qkv.megatron_shape == (256, 64)

@@ -73,3 +73,48 @@ def test_build_gpt_model_tp1(make_tiny_hf):
     assert sd["output_layer.weight"].shape == (49152, 64)
     assert not model.decoder.layers[0].self_attention.config.rotary_interleaved
     assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(10000.0 ** (-2 / 16))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_has_qk_norm_and_no_qkv_bias(tied):
+    spec = ModelSpec.from_hf(tiny_config("qwen3", tie_word_embeddings=tied, head_dim=32))
+    assert spec.family == "qwen3" and spec.qk_layernorm and not spec.qkv_bias and not spec.is_moe
+    assert spec.head_dim == 32 and spec.hidden_size == 64 and spec.tie_word_embeddings == tied
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    tc = spec.transformer_config()
+    assert tc.qk_layernorm and not tc.add_qkv_bias and tc.kv_channels == 32 and tc.num_moe_experts is None
+
+
+def test_qwen3_moe_spec_and_its_megatron_router():
+    spec = ModelSpec.from_hf(tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True))
+    assert spec.is_moe and spec.qk_layernorm and (spec.num_experts, spec.moe_router_topk) == (8, 2)
+    assert spec.moe_ffn_hidden_size == 32 and spec.norm_topk_prob and spec.router_aux_loss_coef == 0.001
+    tc = spec.transformer_config()
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == (8, 2, 32)
+    # renormalised top-k == softmax over the k chosen logits (top-k first); else softmax first
+    assert not tc.moe_router_pre_softmax and tc.moe_router_score_function == "softmax"
+    assert tc.moe_aux_loss_coeff == 0.001 and tc.moe_token_dispatcher_type == "allgather"
+    raw = ModelSpec.from_hf(tiny_config("qwen3_moe", norm_topk_prob=False))
+    assert raw.transformer_config().moe_router_pre_softmax
+    spec.check_layout(2, 1, ep=2)
+    with pytest.raises(ValueError, match="experts"):
+        spec.check_layout(1, 1, ep=3)
+    with pytest.raises(ValueError, match="expert ffn"):
+        spec.check_layout(1, 1, ep=1, etp=3)
+    with pytest.raises(ValueError, match="dense"):
+        ModelSpec.from_hf(tiny_config("qwen3")).check_layout(1, 1, ep=2)
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("qwen3", dict(use_sliding_window=True), "sliding"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]), "dense layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "dense layers"),
+    ("qwen3_moe", dict(num_experts_per_tok=9), "moe_router_topk"),
+])
+def test_unsupported_qwen3_configs_are_refused(family, change, message):
+    cfg = tiny_config(family).to_dict()
+    cfg.update(change)
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf(cfg)

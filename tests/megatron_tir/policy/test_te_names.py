@@ -43,7 +43,7 @@ def test_the_prefix_maps_are_megatron_cores():
     assert keymap.TE_SPEC_KEYS_MAP == _te_spec_keys_map_from_megatron_core()
 
 
-@pytest.mark.parametrize("family,tied", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("llama", True), ("qwen3", False)])
 def test_every_key_of_both_specs_resolves_through_the_key_map_both_ways(parallel_1x1, family, tied):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 

@@ -15,6 +15,16 @@ def tiny_qwen2(make_tiny_hf):
     return make_tiny_hf("qwen2", tie_word_embeddings=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(make_tiny_hf):
+    return make_tiny_hf("qwen3", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(make_tiny_hf):
+    return make_tiny_hf("qwen3_moe", tie_word_embeddings=False)
+
+
 @pytest.fixture
 def make_engine():
     """Factory for LocalEngines; call it inside the coroutine that uses the engine."""

@@ -16,18 +16,26 @@ from transformers import AutoModelForCausalLM
 from engine_testing import reference_logprobs, run
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_auto_picks_the_slot_decoder_for_llama_and_qwen2(make_engine, tiny_llama, tiny_qwen2, family):
-    engine = make_engine(tiny_llama if family == "llama" else tiny_qwen2)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_auto_picks_the_slot_decoder_for_llama_and_qwen2(make_engine, tiny_llama, tiny_qwen2, tiny_qwen3, family):
+    engine = make_engine({"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}[family])
     assert supports_slot_decoder(engine.model) and isinstance(engine._decoder, SlotDecoder)
     assert isinstance(make_engine(tiny_llama, decoder="hf")._decoder, HFDecoder)
 
 
-@pytest.mark.parametrize("decoder", ["slot", "hf"])
-def test_mixed_lengths_leavers_and_late_joiners_match_a_full_forward(make_engine, tiny_qwen2, decoder, monkeypatch):
+def test_qwen3_moe_runs_the_hf_forward(make_engine, tiny_qwen3_moe):
+    engine = make_engine(tiny_qwen3_moe)  # routed experts: the slot decoder has no MoE MLP
+    assert not supports_slot_decoder(engine.model) and isinstance(engine._decoder, HFDecoder)
+
+
+@pytest.mark.parametrize("decoder,family", [("slot", "qwen2"), ("hf", "qwen2"), ("slot", "qwen3"),
+                                            ("hf", "qwen3_moe")])
+def test_mixed_lengths_leavers_and_late_joiners_match_a_full_forward(make_engine, tiny_qwen2, tiny_qwen3,
+                                                                     tiny_qwen3_moe, decoder, family, monkeypatch):
     """Six requests through three rows: different prompt lengths and budgets (rows leave at
     different steps, so slots move), late arrivals, and a cache that must grow twice."""
     monkeypatch.setattr(SlotDecoder, "min_capacity", 8)  # growth happens within a few steps
+    tiny_qwen2 = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]
     reference = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     texts = ["x", "def add(a, b):", "The capital of France is" * 2, "1 2 3", "Question: 12 * 7?", "hi there"]
     budgets = [23, 5, 11, 17, 3, 9]
@@ -167,13 +175,13 @@ def test_a_weight_update_refreshes_only_the_copies_of_the_weights_it_wrote(tiny_
 
 
 @pytest.mark.parametrize("pack", [True, False])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_ragged_prefill_and_its_slots_match_the_hf_forward(tiny_llama, tiny_qwen2, family, pack):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_ragged_prefill_and_its_slots_match_the_hf_forward(tiny_llama, tiny_qwen2, tiny_qwen3, family, pack):
     """The slot decoder's prefill (contexts of different lengths in one ragged batch, no padding)
     gives each context's last-position logits as a plain HF forward of that context alone, rows
     prefilled later join the running ones, and the slots it filled decode the next token as the HF
     forward over context + token does."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama if family == "llama" else tiny_qwen2,
+    model = AutoModelForCausalLM.from_pretrained({"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}[family],
                                                  dtype=torch.float32).eval()
     decoder = SlotDecoder(model, torch.device("cpu"), max_rows=4, pack=pack)
     gen = torch.Generator().manual_seed(0)
