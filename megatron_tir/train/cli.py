@@ -87,7 +87,7 @@ def prepare(args: argparse.Namespace):
     from megatron_tir.train import checkpoint_integrity as integrity
     from megatron_tir.train.checkpoint import STATE, TrainerState
     from megatron_tir.train.config import apply_overrides, from_dict, to_dict
-    from megatron_tir.train.preflight import check_start
+    from megatron_tir.train.preflight import check_resume, check_start
 
     overrides = overrides_of(args)
     if args.resume is None:
@@ -115,8 +115,7 @@ def prepare(args: argparse.Namespace):
         if not integrity.candidates(run_dir / CHECKPOINTS_DIR):
             raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet (a directory without one is "
                              f"reused by --recipe NAME --out {run_dir}, which starts it fresh)")
-        # sizes and the trainer state on every rank (cheap); every byte is verified on load (rank 0)
-        latest = integrity.pick(run_dir / CHECKPOINTS_DIR, strict=cfg.trainer.checkpoint.strict_resume, deep=False)
+        latest = check_resume(run_dir, cfg)  # before anything slow (megatron_tir.train.preflight)
         state = TrainerState(**json.loads((latest / STATE).read_text()))
     check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
     if cfg.trainer.steps <= state.step:

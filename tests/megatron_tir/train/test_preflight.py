@@ -79,6 +79,16 @@ def bad_parquet(tmp_path):
     return path
 
 
+@pytest.fixture
+def long_parquet(tmp_path):
+    """Three verl rows; row 1's prompt is longer than tiny-qwen2's context (2048) leaves beside the budget."""
+    path = tmp_path / "long.parquet"
+    questions = ["What is 1 + 1?", "Add these up: " + " + ".join(["12345"] * 2000) + "?", "What is 2 + 2?"]
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": q}] for q in questions],
+                             "reward_model": [{"ground_truth": a, "style": "rule"} for a in ("2", "0", "4")]}), path)
+    return path
+
+
 @pytest.mark.parametrize("overrides,env,message", [
     (["model=/no/such/model"], {}, "model '/no/such/model' is neither"),
     (["data.train=BAD"], {}, "missing column(s) prompt, reward_model"),
@@ -88,11 +98,15 @@ def bad_parquet(tmp_path):
     (["learner.pp=2"], {"WORLD_SIZE": "3", "RANK": "0"}, "WORLD_SIZE=3 is not a multiple of learner.tp x learner.pp"),
     (["sandbox.workers=0"], {}, "sandbox workers must be >= 1"),
     (["trainer.loss.clip_high=nan"], {}, "trainer.loss.clip_high must be a finite number"),
+    # issue 37: nothing listening at the sandbox address, a prompt longer than the context leaves room for
+    (["sandbox.address=tcp://127.0.0.1:1", "sandbox.probe_timeout_s=2"], {},
+     "sandbox.address=tcp://127.0.0.1:1: no sandbox broker answered within 2 s"),
+    (["data.train=LONG"], {}, "data.train row 1: the prompt is "),
 ])
-def test_a_bad_start_is_refused_before_the_learner_and_the_sandbox(probed, tmp_path, bad_parquet, overrides, env,
-                                                                   message):
+def test_a_bad_start_is_refused_before_the_learner_and_the_sandbox(probed, tmp_path, bad_parquet, long_parquet,
+                                                                   overrides, env, message):
     out = tmp_path / "run"
-    sets = [a for o in overrides for a in ("--set", o.replace("BAD", str(bad_parquet)))]
+    sets = [a for o in overrides for a in ("--set", o.replace("BAD", str(bad_parquet)).replace("LONG", str(long_parquet)))]
     p, elapsed, probe = probed("--recipe", "tiny-cpu", *sets, "--out", str(out), env=env)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("megatron-tir: error: "), p.stderr
@@ -166,3 +180,32 @@ def test_a_run_stopped_by_non_finite_steps_is_one_line_exit_1(tmp_path, capsys, 
     code = cli.run_train_command(_args(recipe="tiny-cpu", out=str(tmp_path / "run")))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["megatron-tir: error: stopped at step 4: 3 consecutive steps with non-finite weights"]
+
+
+def test_a_resume_of_damaged_checkpoints_is_refused_before_the_learner(probed, tmp_path):
+    """Issue 37: both steps damaged (bytes changed, sizes kept: the cheap check passes them) -- one line,
+    exit 2, and neither megatron-core nor any process was started."""
+    from megatron_tir.policy.checkpoint import manifest
+    from megatron_tir.train.config import load_recipe, to_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(to_dict(load_recipe("tiny-cpu"))))
+    for step in (1, 2):
+        d = run / "checkpoints" / f"step_{step}"
+        (d / "policy").mkdir(parents=True)
+        (d / "trainer_state.json").write_text(json.dumps({"step": step, "data_position": 4 * step}))
+        (d / "policy" / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+        manifest.write_manifest(d)
+        with open(d / "policy" / "__0_0.distcp", "r+b") as f:
+            f.seek(1000)
+            f.write(b"\xff" * 8)
+    (run / "checkpoints" / "latest").write_text("step_2")
+    p, elapsed, probe = probed("--resume", str(run))
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]  # (the skips are warnings)
+    assert p.returncode == 2 and len(errors) == 1 and errors[0].startswith("megatron-tir: error: no intact checkpoint"), \
+        p.stderr
+    assert "step_2: policy/__0_0.distcp is damaged (CRC-32" in errors[0] and "step_1: policy/__0_0.distcp" in errors[0]
+    assert "Traceback" not in p.stderr
+    assert probe == ["megatron imported: False"], probe
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]  # untouched
