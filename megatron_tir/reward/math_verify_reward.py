@@ -10,12 +10,23 @@ math-verify's own timeouts use ``signal.alarm``, which works only in a main thre
 cannot stop a C-level loop, so they are switched off in favour of the kill.
 
 Works from any thread and from asyncio (:meth:`MathVerifier.ascore`).
+
+``reward.function=module:callable`` replaces the math-verify check by your own function, run in
+the same workers with the same time limit (no package edit; :mod:`megatron_tir.import_path`)::
+
+    def score(answer: str | None, ground_truth: str) -> float: ...
+
+``answer`` is the trajectory's final answer as the protocol extracted it (the last ``\\boxed{}``
+or what ``final_answer()`` printed; None when there is none), ``ground_truth`` the data row's
+``reward_model.ground_truth``; the result (a float or a bool) is the trajectory's reward. A
+function that raises, returns a non-finite number or passes the limit scores 0 (logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing as mp
 import queue
 import threading
@@ -31,8 +42,15 @@ class RewardConfig:
     workers: int = 2  # answer-checking worker processes
     start_timeout_s: float = 300.0  # a new worker's imports (not counted in timeout_s)
     float_rounding: int = 6  # decimals numbers are rounded to before they are compared
+    # your reward instead of math-verify: "module:callable", called as fn(answer, ground_truth) -> float
+    # (docs/extending.md); None: math-verify equivalence (1 or 0)
+    function: str | None = None
 
     def __post_init__(self) -> None:
+        if self.function is not None:
+            from megatron_tir.import_path import load_object
+
+            load_object(self.function, "reward.function")  # it imports here, at the edge that received it
         if not self.timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
         if self.workers < 1:
@@ -59,11 +77,22 @@ def verify_answer(answer: str, ground_truth: str, float_rounding: int = 6) -> bo
     return bool(verify(gold, pred, float_rounding=float_rounding, timeout_seconds=None))
 
 
-def _worker_main(conn) -> None:  # pragma: no cover - runs in a child process
+def _worker_main(conn, function: str | None = None) -> None:  # pragma: no cover - runs in a child process
     import logging as _logging
 
     _logging.disable(_logging.WARNING)  # math-verify warns that its timeouts are off
-    import math_verify  # noqa: F401 - imported before "ready", so no check pays for it
+    if function is None:
+        import math_verify  # noqa: F401 - imported before "ready", so no check pays for it
+
+        def check(answer, truth, rounding):
+            return ("ok", verify_answer(answer, truth, rounding))
+    else:
+        from megatron_tir.import_path import load_object
+
+        fn = load_object(function, "reward.function")
+
+        def check(answer, truth, rounding):
+            return ("value", fn(answer, truth))
 
     conn.send(("ready", None))
     while True:
@@ -75,16 +104,16 @@ def _worker_main(conn) -> None:  # pragma: no cover - runs in a child process
             return
         answer, truth, rounding = msg
         try:
-            ok = verify_answer(answer, truth, rounding)
-            conn.send(("ok", ok))
+            conn.send(check(answer, truth, rounding))
         except Exception as exc:  # a parse/verify error is a wrong answer, with a note
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 class _Worker:
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, function: str | None = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="math-verify")
+        self.proc = ctx.Process(target=_worker_main, args=(child, function), daemon=True,
+                                name="math-verify" if function is None else "reward")
         self.proc.start()
         child.close()
 
@@ -118,14 +147,27 @@ class Verdict:
     timed_out: bool = False
     error: str | None = None
     seconds: float = 0.0
+    value: float | None = None  # reward.function's result (None: math-verify's 1 or 0)
 
     @property
     def reward(self) -> float:
+        if self.value is not None:
+            return self.value
         return 1.0 if self.correct else 0.0
 
 
+def _function_verdict(function: str, value, seconds: float) -> Verdict:
+    """``reward.function``'s result as a verdict: a finite number (a bool is 1 or 0), else 0 with an error."""
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        log.warning("reward.function %s returned %.80r (not a finite number); scored 0", function, value)
+        return Verdict(correct=False, error=f"reward.function returned {value!r}", seconds=seconds, value=0.0)
+    return Verdict(correct=value > 0, seconds=seconds, value=float(value))
+
+
 class MathVerifier:
-    """A pool of math-verify worker processes with a per-check time limit.
+    """A pool of math-verify worker processes with a per-check time limit (or of ``reward.function``'s).
 
     Use as a context manager (or call :meth:`close`). Workers start lazily.
     """
@@ -144,7 +186,7 @@ class MathVerifier:
         try:
             return self._idle.get_nowait()
         except queue.Empty:
-            w = _Worker(self._ctx)
+            w = _Worker(self._ctx, self.config.function)
             with self._lock:
                 self._all.add(w)
             if not w.wait_ready(self.config.start_timeout_s):
@@ -167,7 +209,7 @@ class MathVerifier:
         """Blocking check; ``answer=None`` (no final answer) is wrong without a check."""
         if self._closed:
             raise RuntimeError("MathVerifier is closed")
-        if answer is None or not answer.strip():
+        if self.config.function is None and (answer is None or not answer.strip()):
             return Verdict(correct=False, error="no final answer")
         t0 = time.perf_counter()
         w = self._acquire()
@@ -190,6 +232,10 @@ class MathVerifier:
         dt = time.perf_counter() - t0
         if kind == "ok":
             return Verdict(correct=bool(value), seconds=dt)
+        if kind == "value":
+            return _function_verdict(self.config.function, value, dt)
+        if self.config.function is not None:
+            log.warning("reward.function %s raised %s; scored 0", self.config.function, value)
         return Verdict(correct=False, error=value, seconds=dt)
 
     async def acheck(self, answer: str | None, ground_truth: str) -> Verdict:
