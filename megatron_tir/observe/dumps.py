@@ -16,10 +16,10 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
   ``void: <reason>`` (SimpleTIR: a void turn), ``over-long`` (truncated, ``overlong=mask``),
   ``infrastructure: tool_failed | aborted``, ``no model tokens``.
 
-The same rules the update uses decide these (:func:`megatron_tir.train.batch.plan_update`
-on the kept groups, :func:`megatron_tir.train.batch.filter_groups` on the others), so a
-dump says exactly what happened. Token ids, loss mask and engine log-probs are added with
-``trainer.log.dump_tokens=true``.
+The trainer's decisions come in (:class:`RowFate`, from
+:meth:`megatron_tir.train.batch.Collected.fates`: the group filter and the row roles of the
+update); this module only puts them in words, so a dump says what happened. Token ids, loss mask
+and engine log-probs are added with ``trainer.log.dump_tokens=true``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import gzip
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_tir.rollout.batch import Group
@@ -81,57 +82,43 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
 
 
-def _void_reason(t: Trajectory) -> str:
-    return f"void: {t.void_reason or 'a void turn'}"
+@dataclass(frozen=True, slots=True)
+class RowFate:
+    """What a step's update did with one sampled trajectory, as the trainer decided it
+    (:meth:`megatron_tir.train.batch.Collected.fates`); :func:`update_records` says why in words."""
+    in_stats: bool  # its reward entered its group's statistics
+    in_loss: bool  # some model token of it got gradient
+    advantage: float | None  # mean over its model tokens; None: its group was not used, or a critic's GAE
+    group_rule: str | None = None  # its group was not used: a group-filter rule, "surplus" or "stale"
 
 
-def row_fates(sampled: Sequence[Group], kept: Sequence[Group], *, mode: str, advantage: str,
-              overlong: str, low_prob_fraction: float, drop_zero_std: bool, accuracy_lo: float,
-              accuracy_hi: float, stale: Sequence[Group] = ()) -> dict[tuple[int, int], dict]:
-    """``(group_id, sample_index) -> update record`` for every sampled trajectory (see the module docstring);
-    ``stale``: the sampled groups ``trainer.async=full`` dropped for staleness."""
-    from megatron_tir.rl import MODES
-    from megatron_tir.train.batch import filter_groups, plan_update, to_tensors
+def _why_not_in_loss(t: Trajectory, *, drop_void: bool, overlong: str) -> str:
+    if t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED):
+        return f"infrastructure: {t.status.value}"
+    if t.void and drop_void:
+        return f"void: {t.void_reason or 'a void turn'}"
+    if t.status is FinishStatus.TRUNCATED and overlong == "mask":
+        return "over-long"
+    return "no model tokens"
 
-    fates: dict[tuple[int, int], dict] = {}
-    kept_ids, stale_ids = {id(g) for g in kept}, {id(g) for g in stale}
-    for g in sampled:
-        if id(g) in kept_ids:
+
+def update_records(sampled: Sequence[Group], fates: Mapping[tuple[int, int], RowFate], *, drop_void: bool,
+                   overlong: str) -> dict[tuple[int, int], dict]:
+    """``(group_id, sample_index) -> update record`` (see the module docstring) of every sampled trajectory
+    that has a fate; ``drop_void`` (the mode's) and ``overlong`` name the row rules that applied."""
+    out = {}
+    for t in (t for g in sampled for t in g.trajectories):
+        fate = fates.get((t.group_id, t.sample_index))
+        if fate is None:
             continue
-        if id(g) in stale_ids:
-            for t in g.trajectories:
-                fates[(t.group_id, t.sample_index)] = {"in_stats": False, "in_loss": False, "advantage": None,
-                                                       "dropped_by": "stale: older than trainer.async.max_staleness"}
-            continue
-        _, removed = filter_groups([g], drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo,
-                                   accuracy_hi=accuracy_hi)
-        rule = next((k for k, v in removed.items() if v), "surplus")
-        for t in g.trajectories:
-            fates[(t.group_id, t.sample_index)] = {"in_stats": False, "in_loss": False, "advantage": None,
-                                                   "dropped_by": f"group filter: {rule}"}
-    if not kept:
-        return fates
-    rt = to_tensors(kept, pad_id=0)
-    gae = advantage == "gae"  # GAE's advantages come from the critic's values: the dump records none
-    plan = plan_update(rt, mode=mode, advantage=None if gae else advantage, overlong=overlong, mini_batches=1)
-    drop_void = MODES[mode].drop_void
-    trajs = [t for g in kept for t in g.trajectories]
-    for b, t in enumerate(trajs):
-        in_loss = bool(plan.trained_B[b])
-        why = None
-        if not in_loss:
-            if t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED):
-                why = f"infrastructure: {t.status.value}"
-            elif t.void and drop_void:
-                why = _void_reason(t)
-            elif t.status is FinishStatus.TRUNCATED and overlong == "mask":
-                why = "over-long"
-            else:
-                why = "no model tokens"
-        fates[(t.group_id, t.sample_index)] = {"in_stats": bool(plan.stats_B[b]), "in_loss": in_loss,
-                                               "advantage": None if gae else float(plan.advantages_B[b]),
-                                               "dropped_by": why}
-    return fates
+        if fate.group_rule is not None:
+            why = ("stale: older than trainer.async.max_staleness" if fate.group_rule == "stale"
+                   else f"group filter: {fate.group_rule}")
+        else:
+            why = None if fate.in_loss else _why_not_in_loss(t, drop_void=drop_void, overlong=overlong)
+        out[(t.group_id, t.sample_index)] = {"in_stats": fate.in_stats, "in_loss": fate.in_loss,
+                                             "advantage": fate.advantage, "dropped_by": why}
+    return out
 
 
 def step_records(step: int, split: str, groups: Sequence[Group], tokenizer, *, include_ids: bool,

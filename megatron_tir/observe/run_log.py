@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 from megatron_tir.observe.diagnostics import GradNormSpikes
-from megatron_tir.observe.dumps import dump_path, row_fates, step_records, write_dump
+from megatron_tir.observe.dumps import dump_path, step_records, update_records, write_dump
 from megatron_tir.observe.show import render
 from megatron_tir.observe.step_line import format_held_out_line, format_step_line
+from megatron_tir.rl import MODES
 
 log = logging.getLogger("megatron_tir.steps")
 LOG_FILE = "train.log"
@@ -48,12 +49,11 @@ class StepObserver:
         self._gen_tokens = sum(t.num_model_tokens for g in collected.sampled for t in g.trajectories)
         if not self.log_cfg.dump_due(step):
             return
-        tc = self.cfg.trainer
-        fates = row_fates(collected.sampled, collected.groups, mode=tc.mode, advantage=tc.ppo.advantage,
-                          overlong=tc.filters.overlong,
-                          low_prob_fraction=tc.filters.low_prob_fraction, drop_zero_std=tc.filters.drop_zero_std,
-                          accuracy_lo=tc.filters.accuracy_lo, accuracy_hi=tc.filters.accuracy_hi,
-                          stale=collected.stale)
+        tc, f = self.cfg.trainer, self.cfg.trainer.filters
+        decided = collected.fates(mode=tc.mode, advantage=tc.ppo.advantage, overlong=f.overlong,
+                                  drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi,
+                                  min_rows=f.min_group_rows)
+        fates = update_records(collected.sampled, decided, drop_void=MODES[tc.mode].drop_void, overlong=f.overlong)
         self._records += step_records(step, "train", collected.sampled, self.tokenizer,
                                       include_ids=self.log_cfg.dump_tokens, fates=fates)
 

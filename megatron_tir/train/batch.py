@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from megatron_tir.observe.dumps import RowFate
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, group_keep_G, low_prob_keep_BT, row_weights
 from megatron_tir.rl.offpolicy import correction_BT
@@ -312,6 +313,29 @@ class Collected:
     rounds: int
     removed: dict[str, int]  # groups removed by each filter rule
     stale: list[Group] = field(default_factory=list)  # trainer.async=full: dropped for staleness (also in sampled)
+
+    def fates(self, *, mode: str, advantage: str, overlong: str, drop_zero_std: bool, accuracy_lo: float,
+              accuracy_hi: float, min_rows: int = 1) -> dict[tuple[int, int], RowFate]:
+        """``(group_id, sample_index) ->`` what the update did with each sampled row, by the rules that
+        decided it (the run's settings): the group filter of :func:`collect_groups` on the groups not
+        kept (``surplus``: passed, but the batch was full; ``stale``), :func:`plan_update` on the kept
+        ones (an estimator outside ``ADVANTAGE_ESTIMATORS``, a critic's GAE, records no advantage)."""
+        out, kept, stale = {}, {id(g) for g in self.groups}, {id(g) for g in self.stale}
+        for g in (g for g in self.sampled if id(g) not in kept):
+            _, removed = filter_groups([g], drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo,
+                                       accuracy_hi=accuracy_hi, overlong=overlong, min_rows=min_rows)
+            rule = "stale" if id(g) in stale else next((k for k, v in removed.items() if v), "surplus")
+            out |= {(t.group_id, t.sample_index): RowFate(in_stats=False, in_loss=False, advantage=None,
+                                                          group_rule=rule) for t in g.trajectories}
+        if self.groups:
+            estimated = advantage in ADVANTAGE_ESTIMATORS
+            plan = plan_update(to_tensors(self.groups, pad_id=0), mode=mode, advantage=advantage if estimated else None,
+                               overlong=overlong, mini_batches=1)
+            for b, t in enumerate(t for g in self.groups for t in g.trajectories):
+                out[(t.group_id, t.sample_index)] = RowFate(
+                    in_stats=bool(plan.stats_B[b]), in_loss=bool(plan.trained_B[b]),
+                    advantage=float(plan.advantages_B[b]) if estimated else None)
+        return out
 
 
 async def collect_groups(run_round, *, want: int, max_rounds: int, drop_zero_std: bool, accuracy_lo: float,

@@ -7,10 +7,12 @@ import pytest
 from observe_crafted import answer_turn, code_turn, make, void_turn
 
 from megatron_tir.cli import main
-from megatron_tir.observe.dumps import dump_path, read_dump, row_fates, step_records, write_dump
+from megatron_tir.observe.dumps import dump_path, read_dump, step_records, update_records, write_dump
 from megatron_tir.observe.show import MASKED, TRAINED, parse_filters, parse_rendering, render, select
+from megatron_tir.rl import MODES
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import FinishStatus
+from megatron_tir.train.batch import Collected
 
 
 class CharTokenizer:
@@ -46,10 +48,18 @@ def _groups():
 FILTERS = dict(drop_zero_std=True, accuracy_lo=0.0, accuracy_hi=1.0)
 
 
+def row_fates(sampled, kept, *, mode, advantage, overlong, drop_zero_std, accuracy_lo, accuracy_hi, min_rows=1):
+    """The trainer's decisions for a step that kept ``kept`` of ``sampled``, in the dump's words."""
+    collected = Collected(groups=list(kept), sampled=list(sampled), rounds=1, removed={})
+    decided = collected.fates(mode=mode, advantage=advantage, overlong=overlong, drop_zero_std=drop_zero_std,
+                              accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi, min_rows=min_rows)
+    return update_records(sampled, decided, drop_void=MODES[mode].drop_void, overlong=overlong)
+
+
 def test_each_row_says_what_the_update_did_and_why_not():
     mixed, all_wrong, surplus = _groups()
-    fates = row_fates([mixed, all_wrong, surplus], [mixed], mode="simpletir", advantage="grpo",
-                      overlong="mask", low_prob_fraction=0.0, **FILTERS)
+    fates = row_fates([mixed, all_wrong, surplus], [mixed], mode="simpletir", advantage="grpo", overlong="mask",
+                      **FILTERS)
     assert fates[(0, 0)]["in_loss"] and fates[(0, 0)]["dropped_by"] is None
     # group 0's counted rewards: 1, 0, 0 (the tool_failed row does not count): mean 1/3, std sqrt(1/3)
     assert fates[(0, 0)]["advantage"] == pytest.approx((1 - 1 / 3) / (1 / 3) ** 0.5, rel=1e-4)
@@ -60,17 +70,23 @@ def test_each_row_says_what_the_update_did_and_why_not():
     assert fates[(1, 0)]["dropped_by"] == "group filter: zero_std" and fates[(1, 0)]["advantage"] is None
     assert fates[(2, 1)]["dropped_by"] == "group filter: surplus"
     keep = row_fates([mixed], [mixed], mode="stop_without_filter", advantage="grpo",
-                     overlong="keep", low_prob_fraction=0.0, **FILTERS)
+                     overlong="keep", **FILTERS)
     assert keep[(0, 1)]["in_loss"] and keep[(0, 2)]["in_loss"]  # void and over-long rows kept by this mode
-    narrow = row_fates([surplus], [], mode="simpletir", advantage="grpo", overlong="mask",
-                       low_prob_fraction=0.0, drop_zero_std=True, accuracy_lo=0.9, accuracy_hi=1.0)
+    narrow = row_fates([surplus], [], mode="simpletir", advantage="grpo", overlong="mask", drop_zero_std=True,
+                       accuracy_lo=0.9, accuracy_hi=1.0)
     assert narrow[(2, 0)]["dropped_by"] == "group filter: accuracy"
+    # the group filter's row count (min_group_rows): group 0 has 3 counted rows (tool_failed does not count)
+    short = row_fates([mixed], [], mode="simpletir", advantage="grpo", overlong="mask", min_rows=4, **FILTERS)
+    assert {f["dropped_by"] for f in short.values()} == {"group filter: no_counted_rows"}
+    assert row_fates([mixed], [], mode="simpletir", advantage="grpo", overlong="mask", min_rows=3,
+                     **FILTERS)[(0, 0)]["dropped_by"] == "group filter: surplus"
+    gae = row_fates([mixed], [mixed], mode="simpletir", advantage="gae", overlong="mask", **FILTERS)
+    assert gae[(0, 0)] == {"in_stats": True, "in_loss": True, "advantage": None, "dropped_by": None}
 
 
 def test_dump_round_trip_through_show(tmp_path, capsys):
     mixed, all_wrong, surplus = _groups()
-    fates = row_fates([mixed, all_wrong], [mixed], mode="simpletir", advantage="grpo",
-                      overlong="mask", low_prob_fraction=0.0, **FILTERS)
+    fates = row_fates([mixed, all_wrong], [mixed], mode="simpletir", advantage="grpo", overlong="mask", **FILTERS)
     records = step_records(3, "train", [mixed, all_wrong], CharTokenizer(), include_ids=True, fates=fates)
     records += step_records(3, "eval", [surplus], CharTokenizer(), include_ids=False)
     write_dump(dump_path(tmp_path, 3), records)
@@ -93,8 +109,7 @@ def test_dump_round_trip_through_show(tmp_path, capsys):
 
 def test_masked_spans_render_differently():
     mixed, _, _ = _groups()
-    fates = row_fates([mixed], [mixed], mode="simpletir", advantage="grpo", overlong="mask",
-                      low_prob_fraction=0.0, **FILTERS)
+    fates = row_fates([mixed], [mixed], mode="simpletir", advantage="grpo", overlong="mask", **FILTERS)
     right, void = step_records(1, "train", [mixed], CharTokenizer(), include_ids=False, fates=fates)[:2]
     parsed = parse_rendering(render(right))
     assert parsed["trained"] == ["```python", "print(6*7)", "```", "so \\boxed{42}"]  # the model's tokens

@@ -102,11 +102,11 @@ def test_a_group_older_than_eta_is_dropped_counted_and_frees_its_slot():
     assert [g.group_id for g in second.collected.groups] == [2]
     assert second.stale == 1 and second.collected.removed["stale"] == 1 and p.bound.dropped == 1
     assert [g.group_id for g in second.collected.sampled] == [2, 0]  # reported once, at the take that dropped it
-    from megatron_tir.observe.dumps import row_fates
+    from megatron_tir.observe.dumps import update_records
 
-    fates = row_fates(second.collected.sampled, second.collected.groups, mode="simpletir", advantage="grpo",
-                      overlong="keep", low_prob_fraction=0.0, drop_zero_std=True, accuracy_lo=0.0, accuracy_hi=1.0,
-                      stale=second.collected.stale)
+    decided = second.collected.fates(mode="simpletir", advantage="grpo", overlong="keep", drop_zero_std=True,
+                                     accuracy_lo=0.0, accuracy_hi=1.0)
+    fates = update_records(second.collected.sampled, decided, drop_void=True, overlong="keep")
     assert fates[(0, 0)]["dropped_by"].startswith("stale") and fates[(2, 0)]["in_loss"]
     assert second.data_position == 3 and second.consumed_ahead == []
 
