@@ -173,6 +173,11 @@ class Learner:
     # ------------------------------------------------------------------ properties
 
     @property
+    def ddp(self):
+        """The megatron-core ``DistributedDataParallel`` wrapper (its gradient buffers); None when frozen."""
+        return None if self.frozen else self._model
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken (skipped steps do not count; 0 when frozen)."""
         return 0 if self.scheduler is None else int(self.scheduler.num_steps)

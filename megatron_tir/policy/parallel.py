@@ -65,7 +65,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
             return
         raise ValueError(f"model parallelism is already initialized with tp={have[0]} pp={have[1]}, "
                          f"not tp={tp} pp={pp} (call destroy_parallel() first)")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # megatron-core's own groups (TP, PP, DP, ...) take the same timeout as the default group (its default: 30 min)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             distributed_timeout_minutes=timeout_s / 60)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

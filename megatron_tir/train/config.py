@@ -213,6 +213,9 @@ class TrainerConfig:
     stop_after_nonfinite: int = 3
     seed: int = 0  # torch seed of the trainer (the held-out rollouts use seed + 1)
     progress: bool = True  # progress bars during rollouts and held-out evaluation
+    # the default process group's timeout (s): it bounds collectives where every rank does the same work (the
+    # longest: a checkpoint's save); rank-0-only phases (rollouts, evaluation) wait through the hand-off instead
+    collective_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -224,6 +227,8 @@ class TrainerConfig:
         if self.asynchrony.mode != "off" and self.ppo.old_logprobs != "learner":
             raise ValueError(f"trainer.async={self.asynchrony.mode} needs trainer.ppo.old_logprobs=learner (the "
                              f"proximal policy; the engine's log-probs are the behaviour policy's)")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.stop_after_nonfinite < 1:
             raise ValueError(f"stop_after_nonfinite must be >= 1, got {self.stop_after_nonfinite}")
         if self.ppo.mini_batches > self.sampling.prompts_per_step:

@@ -27,6 +27,7 @@ from megatron_tir.observe.run_log import StepObserver
 from megatron_tir.observe.trackers import open_trackers
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
+from megatron_tir.policy.memory import TrainingMemory
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.rl import MODES, PolicyLoss
 from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update, with_behaviour_weights
@@ -65,14 +66,17 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     observer = StepObserver(cfg, run_dir, tokenizer=source.tokenizer, sink=sink) if source.rank == 0 else _NoObserver()
     held_out = held_out_problems(cfg.data)
     temperature = cfg.rollout.temperature or 1.0
-    if state.step == 0 and held_out:
-        sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
-                 | {"time/unix": time.time()})
+    memory = TrainingMemory([learner, critic], colocated=cfg.engine.colocated)
+    if state.step == 0 and held_out:  # rank 0 evaluates; the others wait through the hand-off, not in a collective
+        def step0() -> None:
+            sink.log(0, source.evaluate(held_out, observe=functools.partial(observer.held_out, 0))
+                     | {"time/unix": time.time()})
+        source.rank0_phase("eval/0", step0, what="the step-0 held-out evaluation")
     one_step = tc.asynchrony.mode == "one_step"  # full: the source's producer never stops (group_producer.py)
     steps_without_update = 0
     nonfinite = 0  # consecutive steps with non-finite gradients or weights
     pending_ckpt_s, last_save = None, time.monotonic()
-    engine_mark = (time.perf_counter(), source.engine_busy_s())  # the engine idle share's window: since the last step
+    engine_mark = [time.perf_counter(), source.engine_busy_s()]  # the engine idle share's window: since the last step
     for step in _progress(range(state.step + 1, tc.steps + 1), enabled=tc.progress):
         timings: dict[str, float] = {} if pending_ckpt_s is None else {"time/checkpoint": pending_ckpt_s}
         # 1. this rank's rows of the step's rollouts (rank 0 samples them; the others wait for their share).
@@ -85,15 +89,18 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         ahead = one_step and step < tc.steps
         if ahead:
             source.submit(step + 1)
-        observer.sampled(step, got.collected)
         metrics = dict(got.metrics)
-        # 2. the update, then the new weights to the engines (a colocated engine frees its memory meanwhile).
+        # 2. the update, then the new weights to the engines. Colocated: the engine frees its memory and
+        # the trainer takes its gradient buffers and optimizer state back for the update, then gives them
+        # back (and empties its allocator cache) before the engine resumes at the sync.
         if got.rows is not None:
-            source.offload()
+            source.offload(step)
+            memory.reclaim()
         metrics |= update_policy(cfg, got, learner, timings, temperature=temperature, reference=reference,
                                  critic=critic, critic_only=step <= cfg.critic.warmup_steps)
         if got.rows is not None:
             nonfinite = _check_finite_steps(step, metrics, nonfinite, tc.stop_after_nonfinite)
+            memory.release()
             if ahead:
                 with _timed(timings, "drain"):
                     source.drain(step + 1)  # generation drained before the push: each group from one version
@@ -104,23 +111,15 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
         steps_without_update = 0 if updated else steps_without_update + 1
         state.step, state.data_position, state.schedule_switched_at = step, got.data_position, got.schedule_switched_at
         state.data_consumed_ahead = list(got.data_consumed_ahead)
-        # 3. held-out evaluation, metrics, and the stop rule before anything is saved.
-        if held_out and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)):
-            with _timed(timings, "eval"):
-                metrics |= source.evaluate(held_out, observe=functools.partial(observer.held_out, step))
         max_turns, max_tokens = got.rollout_budget
         metrics |= {"budget/max_turns": max_turns, "budget/max_response_tokens": max_tokens, "train/lr": learner.lr}
-        metrics |= observer.end_step(step, metrics | timings)
-        if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
-            waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
-            metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
-        if source.rank == 0:  # the share of the step no generation request was in flight (eval included)
-            now, busy = time.perf_counter(), source.engine_busy_s()
-            if now > engine_mark[0]:
-                share = 1 - (busy - engine_mark[1]) / (now - engine_mark[0])
-                metrics["rollout/engine_idle_share"] = min(1.0, max(0.0, share))
-            engine_mark = (now, busy)
-        sink.log(step, metrics | timings | {"time/unix": time.time()})
+        # 3. rank 0 alone: held-out evaluation, observers (dumps, plots), the metrics line; the other ranks
+        # wait through the hand-off (a 32B evaluation takes minutes: longer than a collective's timeout)
+        evaluate = bool(held_out) and (step == tc.steps or (tc.eval_every and step % tc.eval_every == 0))
+        source.rank0_phase(f"end/{step}", functools.partial(
+            _end_step, source, observer, sink, step, got, metrics, timings, held_out if evaluate else None,
+            engine_mark), what=f"rank 0 to end step {step} (held-out evaluation, metrics)")
+        source.forget(f"end/{step - 2}")
         if steps_without_update >= tc.stop.steps_without_update:
             raise TrainingStopped(f"{steps_without_update} steps in a row without an update (last: step {step}; "
                                   f"trainer.stop.steps_without_update={tc.stop.steps_without_update}): the run "
@@ -140,6 +139,27 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, learner, sour
     observer.close()
     sink.close()
     return state
+
+
+def _end_step(source: RolloutSource, observer, sink, step: int, got: StepRollouts, metrics: dict, timings: dict,
+              held_out, engine_mark: list) -> None:
+    """Rank 0's end of a step: the observers see the sampled groups, the held-out evaluation (when
+    ``held_out``), the trainer and engine idle shares, the metrics line."""
+    observer.sampled(step, got.collected)
+    if held_out:
+        with _timed(timings, "eval"):
+            metrics |= source.evaluate(held_out, observe=functools.partial(observer.held_out, step))
+    metrics |= observer.end_step(step, metrics | timings)
+    if metrics.get("time/step"):  # the share of the step the trainer spent waiting for rollouts
+        waited = timings.get("time/rollout_wait", 0.0) + timings.get("time/drain", 0.0)
+        metrics["train/trainer_idle_share"] = min(1.0, waited / metrics["time/step"])
+    # the share of the step no generation request was in flight (eval included)
+    now, busy = time.perf_counter(), source.engine_busy_s()
+    if now > engine_mark[0]:
+        share = 1 - (busy - engine_mark[1]) / (now - engine_mark[0])
+        metrics["rollout/engine_idle_share"] = min(1.0, max(0.0, share))
+    engine_mark[:] = [now, busy]
+    sink.log(step, metrics | timings | {"time/unix": time.time()})
 
 
 def update_policy(cfg: TrainConfig, got: StepRollouts, learner, timings: dict, *, temperature: float,

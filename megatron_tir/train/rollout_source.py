@@ -10,21 +10,10 @@ training builds on ``submit`` / ``next``). ``next`` then, on rank 0: dynamic sam
 filter (per-row summaries, no ``[B, T]`` tensors), the row roles and advantages over every
 counted row (:func:`~megatron_tir.train.batch.plan_update`), the rows no mode trains removed,
 each data-parallel replica's share dealt (:func:`~megatron_tir.train.batch.deal_rows`), and the
-hand-off:
-
-* a small header (data position, turn schedule, mini-batches, shapes, or a stop cause) goes
-  through the job's key-value store (the ``TCPStore`` every rank joined at start);
-* each rank's share goes to it alone, tensor by tensor, on a gloo group of this source: the
-  rows of its data-parallel replica, and of them what its pipeline stage reads
-  (:func:`~megatron_tir.train.batch.stage_fields`: the first stage the token ids, the last
-  what its loss reads, a middle stage only the rows' lengths and mini-batches -- the shapes of
-  the pipeline schedule's sends and receives); TP peers get the same.
-
-The other ranks wait for the header by polling the store, not inside a collective: no
-process-group timeout or watchdog runs out however long a round of rollouts takes. Rank 0
-bumps a heartbeat counter in the store every ``poll_s``; a waiting rank that sees it stand
-still for ``alive_timeout_s``, or loses the store (rank 0 hosted it and died), raises, so a
-dead rank 0 still ends the job in bounded time.
+hand-off (:class:`~megatron_tir.train.handoff.HandOff`: a header through the job's store, each TP
+group's rows once, the other ranks waiting on rank 0's heartbeat rather than in a collective).
+Every rank-0-only phase (held-out evaluation, the engine's offload) goes through the same
+hand-off (:meth:`RolloutSource.rank0_phase`).
 
 A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure
 ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
@@ -40,11 +29,8 @@ from __future__ import annotations
 import contextlib
 import concurrent.futures
 import dataclasses
-import datetime
 import functools
-import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -59,13 +45,11 @@ from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.group_producer import GroupProducer
+from megatron_tir.train.handoff import HandOff, one_line
 from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
-
-HANDOFF_TIMEOUT = datetime.timedelta(hours=2)  # the gloo group's: a transfer starts once rank 0 is ready
-
 
 class TrainingStopped(InfrastructureError):
     """The run cannot learn: a one-line cause (exit 1); the checkpoints already written stay."""
@@ -99,118 +83,6 @@ class StepRollouts:
                    turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, collected=None)
 
 
-# ----------------------------------------------------------------------------- the hand-off
-
-
-class _HandOff:
-    """Rank 0 -> every rank: a JSON header through the store, tensors point to point on gloo."""
-
-    def __init__(self, *, poll_s: float, alive_timeout_s: float) -> None:
-        from megatron.core import parallel_state
-
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.poll_s, self.alive_timeout_s = poll_s, alive_timeout_s
-        self.store = torch.distributed.PrefixStore("megatron_tir/rollouts/", _get_default_store())
-        self.group = torch.distributed.new_group(backend="gloo", timeout=HANDOFF_TIMEOUT)  # every rank, once
-        # each rank's data-parallel replica and pipeline stage (first, last): the rows it gets and what of them
-        view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
-                parallel_state.is_pipeline_last_stage())
-        views = [None] * self.world
-        torch.distributed.all_gather_object(views, view, group=self.group)
-        self.view_of = [(int(d), bool(f), bool(la)) for d, f, la in views]
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.received_bytes = 0  # what this rank received last (tests and metrics)
-        self._stop = threading.Event()
-        self._beat = None
-        if self.rank == 0:
-            self.store.add("beat", 1)
-            self._beat = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
-            self._beat.start()
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.store.add("beat", 1)
-            except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                return
-
-    def publish(self, key: str, header: dict, shares: list[TrainRows] | None = None) -> TrainRows | None:
-        """Rank 0: ``header`` to every rank and, to each rank of data-parallel replica ``dp``, what its
-        pipeline stage reads of ``shares[dp]`` (:meth:`TrainRows.for_stage`). Returns rank 0's rows."""
-        header = dict(header)
-        if shares is None:
-            self.store.set(key, json.dumps(header))
-            return None
-        parts = {_view_key(view): shares[view[0]].for_stage(first=view[1], last=view[2]) for view in set(self.view_of)}
-        header["shapes"] = {k: {name: [str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in part.items()}
-                            for k, part in parts.items()}
-        header["lengths"] = {_view_key(view): shares[view[0]].attention_mask_BT.shape[1] for view in set(self.view_of)}
-        self.store.set(key, json.dumps(header))
-        for r in range(1, self.world):
-            for v in parts[_view_key(self.view_of[r])].values():
-                torch.distributed.send(_wire(v), dst=r, group=self.group)
-        mine = _view_key(self.view_of[0])
-        return TrainRows.from_stage(parts[mine], header["lengths"][mine])
-
-    def receive(self, key: str, *, what: str) -> tuple[dict, TrainRows | None]:
-        """Every rank but 0: wait (as long as rank 0 lives) for ``key``'s header, then this rank's rows."""
-        self._wait(key, what=what)
-        header = json.loads(self.store.get(key))
-        shapes, lengths = header.pop("shapes", None), header.pop("lengths", None)
-        if shapes is None:
-            return header, None
-        mine = _view_key(self.view_of[self.rank])
-        tensors, got = {}, 0
-        for name, (dtype, shape) in shapes[mine].items():
-            buf = torch.empty(shape, dtype=torch.uint8 if dtype == "bool" else getattr(torch, dtype))
-            torch.distributed.recv(buf, src=0, group=self.group)
-            got += buf.numel() * buf.element_size()
-            tensors[name] = buf.bool() if dtype == "bool" else buf
-        self.received_bytes = got
-        return header, TrainRows.from_stage(tensors, lengths[mine])
-
-    def _wait(self, key: str, *, what: str) -> None:
-        beat, seen_at, sleep = None, time.monotonic(), 0.01
-        while True:
-            try:
-                if self.store.check([key]):
-                    return
-                now_beat = self.store.add("beat", 0)
-            except Exception as exc:  # noqa: BLE001 - the store lived on rank 0 (or its host) and is gone
-                raise InfrastructureError(f"rank {self.rank} lost rank 0 while waiting for {what}: "
-                                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
-            now = time.monotonic()
-            if now_beat != beat:
-                beat, seen_at = now_beat, now
-            elif now - seen_at > self.alive_timeout_s:
-                raise InfrastructureError(f"rank {self.rank}: rank 0 gave no sign of life for "
-                                          f"{self.alive_timeout_s:g} s while this rank waited for {what}")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, self.poll_s / 2)
-
-    def forget(self, key: str) -> None:
-        try:
-            self.store.delete_key(key)
-        except Exception:  # noqa: BLE001 - stores without delete (or gone): keys are small
-            pass
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._beat is not None:
-            self._beat.join(timeout=5)
-
-
-def _view_key(view: tuple[int, bool, bool]) -> str:
-    """``dp/first/last`` of a rank's view (data-parallel replica, first and last pipeline stage)."""
-    return f"{view[0]}/{int(view[1])}/{int(view[2])}"
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
-
-
 # ----------------------------------------------------------------------------- the source
 
 
@@ -229,7 +101,7 @@ class RolloutSource:
         self.cfg = cfg
         self.full = cfg.trainer.asynchrony.mode == "full"
         self._producer: GroupProducer | None = None
-        self._handoff = _HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
+        self._handoff = HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
         self.rank = self._handoff.rank
         self.service = None
         self._pending = {}
@@ -242,7 +114,7 @@ class RolloutSource:
             try:
                 self.service = service_factory()
             except BaseException as exc:
-                self._handoff.publish("start", {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
+                self._handoff.publish("start", {"error": one_line(exc, 10_000)})
                 self._handoff.close()
                 raise
             self._handoff.publish("start", {"error": None})
@@ -340,8 +212,7 @@ class RolloutSource:
         try:
             header, shares, metrics, got = self._produce(step)
         except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
-            self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {type(exc).__name__}: "
-                                                f"{' '.join(str(exc).split())[:300]}"})
+            self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {one_line(exc)}"})
             raise
         rows = self._handoff.publish(key, header, shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
@@ -434,12 +305,27 @@ class RolloutSource:
             observe(groups)
         return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
 
-    def offload(self) -> None:
-        """Before the update (rank 0): the engine frees its memory where it shares the trainer's
-        devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``.
-        Skipped while a later step's rollouts are in flight: they need the engine."""
-        if self.rank == 0 and not self._pending and self._producer is None:
-            self.service.offload()
+    def rank0_phase(self, key: str, fn, *, what: str) -> dict:
+        """``fn()`` on rank 0 while every other rank waits for it through the hand-off (never inside a
+        collective: a phase may take longer than the default group's timeout); its result on rank 0
+        (elsewhere what rank 0 published). ``key`` is unique to the phase (step number included)."""
+        return self._handoff.rank0_phase(key, fn, what=what)
+
+    def forget(self, key: str) -> None:
+        """Rank 0: drop a phase's key that every rank has read (they trained a step together since)."""
+        if self.rank == 0:
+            self._handoff.forget(key)
+
+    def offload(self, step: int) -> None:
+        """Before the update (collective): rank 0's engine frees its memory where it shares the trainer's
+        devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``;
+        the other ranks wait for it through the hand-off. Skipped while a later step's rollouts are in
+        flight: they need the engine."""
+        def release() -> None:
+            if not self._pending and self._producer is None:
+                self.service.offload()
+        self.rank0_phase(f"offload/{step}", release, what=f"rank 0 to free the engine's memory (step {step})")
+        self.forget(f"offload/{step - 2}")
 
     def sync_weights(self, learner) -> None:
         """The learner's weights into rank 0's engine (collective: every rank calls it); per stage

@@ -28,7 +28,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     from megatron_tir.train.rollouts import RolloutService
 
     torch.manual_seed(cfg.trainer.seed)
-    init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed)
+    init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed,
+                  timeout_s=cfg.trainer.collective_timeout_s)
     try:
         learner = Learner(cfg.learner)
         # The KL term's reference: the initial policy, frozen (built only when the KL term is on).

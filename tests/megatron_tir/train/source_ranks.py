@@ -127,6 +127,122 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
         torch.save({"initial": initial, "updated": weights}, f"{out}/weights.pt")
 
 
+class SlowEvalService(CraftedService):
+    """A CraftedService whose held-out evaluation (``rollout``) takes ``eval_s`` on rank 0, with the
+    rest of RolloutService's surface a training loop touches (a sync that drains the buckets)."""
+
+    def __init__(self, eval_s: float, tokenizer=None) -> None:
+        super().__init__(0.0)
+        self.eval_s, self.evaluations, self.tokenizer = eval_s, 0, tokenizer
+
+    def rollout(self, problems, config, *, group_id_offset: int = 0, progress: bool = False, desc: str = ""):
+        import time
+
+        time.sleep(self.eval_s)
+        self.evaluations += 1
+        return crafted_groups(group_id_offset, len(problems))
+
+    def sync_from(self, learner) -> int:
+        from megatron_tir.rollout.sync import drain
+
+        drain(learner.named_hf_buckets())
+        return 0
+
+    def offload(self) -> None:
+        pass
+
+    def engine_busy_s(self) -> float:
+        return 0.0
+
+
+def slow_eval_train_rank(rank: int, world: int, out: str, eval_s: float, timeout_s: float) -> None:
+    """The real training loop on ``world`` ranks (data parallel) with a ``timeout_s`` default group and a
+    rank-0 held-out evaluation of ``eval_s`` at step 0 and at the last step (1): every rank finishes."""
+    import time
+
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.checkpoint import TrainerState
+    from megatron_tir.train.loop import train
+    from megatron_tir.train.rollout_source import RolloutSource
+
+    init_parallel(1, 1, timeout_s=timeout_s)
+    cfg = apply_overrides(source_config(prompts=4), ["trainer.steps=1", "data.eval_size=2", "trainer.eval_every=1"])
+    learner = Learner(cfg.learner)
+    t0 = time.monotonic()
+    with RolloutSource(cfg, service_factory=lambda: SlowEvalService(eval_s, learner.tokenizer), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=60.0) as source:
+        state = train(cfg, Path(out) / "run", TrainerState(), learner=learner, source=source)
+        evaluations = source.service.evaluations if rank == 0 else None
+    torch.save({"step": state.step, "elapsed": time.monotonic() - t0, "evaluations": evaluations},
+               f"{out}/rank{rank}.pt")
+
+
+def colocated_order_rank(rank: int, world: int, out: str) -> None:
+    """Two steps of the real loop with colocated engines (a crafted service stands in for the servers):
+    each rank records, in order, the engine's release, its own gradient buffers' restore and offload, the
+    weight sync, and whether its gradient buffers held memory when the sync read the weights."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.checkpoint import TrainerState
+    from megatron_tir.train.loop import train
+    from megatron_tir.train.rollout_source import RolloutSource
+
+    init_parallel(1, 1)
+    cfg = apply_overrides(source_config(prompts=4), [
+        "trainer.steps=2", "data.eval_size=0", "engine.kind=sglang", "engine.urls=[http://127.0.0.1:9]",
+        "engine.colocated=true", "trainer.checkpoint.every=0"])
+    learner = Learner(cfg.learner)
+    events: list = []
+    ddp = learner.ddp
+    grads = lambda: sum(b.grad_data.untyped_storage().size() for b in ddp.buffers)  # noqa: E731
+    for name in ("offload_grad_buffers", "restore_grad_buffers"):
+        real = getattr(ddp, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            events.append(_name)
+            return _real(*a, **k)
+        setattr(ddp, name, wrapped)
+    real_buckets = learner.named_hf_buckets
+
+    def buckets(*a, **k):
+        events.append(("sync", grads()))
+        return real_buckets(*a, **k)
+    learner.named_hf_buckets = buckets
+
+    class Engine(SlowEvalService):
+        def offload(self) -> None:
+            events.append("engine_release")
+
+    with RolloutSource(cfg, service_factory=lambda: Engine(0.0, learner.tokenizer), pad_id=0, poll_s=0.2,
+                       alive_timeout_s=60.0) as source:
+        train(cfg, Path(out) / "run", TrainerState(), learner=learner, source=source)
+    torch.save({"events": events, "grad_bytes": grads()}, f"{out}/rank{rank}.pt")
+
+
+def handoff_rank(rank: int, world: int, out: str, tp: int) -> None:
+    """Rank 0 publishes crafted shares (one per data-parallel replica) at ``tp``; every rank saves what it got."""
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.train.batch import deal_rows, plan_update, to_tensors
+    from megatron_tir.train.handoff import HandOff
+
+    init_parallel(tp, 1)
+    h = HandOff(poll_s=0.2, alive_timeout_s=30.0)
+    try:
+        cfg = source_config(prompts=4, mini_batches=2)
+        plan = plan_update(to_tensors(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
+                           advantage=cfg.trainer.ppo.advantage, overlong=cfg.trainer.filters.overlong, mini_batches=2)
+        shares = deal_rows(plan.rows, h.dp_size)
+        if rank == 0:
+            rows = h.publish("rows", {"n": 1}, shares)
+        else:
+            _, rows = h.receive("rows", what="the rows")
+        torch.save({"rows": rows.tensors(), "expected": shares[h.view_of[rank][0]].tensors(),
+                    "received": h.received_bytes, "sent": h.sent_bytes, "tp_of": h.tp_of}, f"{out}/rank{rank}.pt")
+    finally:
+        h.close()
+
+
 def main() -> None:
     """``python source_ranks.py RANK WORLD PORT DELAY MARKER``: one rank of the rank-0-killed test."""
     rank, world, port, delay, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]

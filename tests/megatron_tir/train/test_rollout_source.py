@@ -58,9 +58,9 @@ def test_a_dead_rank_0_ends_the_waiting_rank_in_bounded_time(tmp_path):
 
 
 def test_a_rank_0_without_heartbeat_is_given_up_after_the_alive_timeout():
-    from megatron_tir.train.rollout_source import _HandOff
+    from megatron_tir.train.handoff import HandOff
 
-    h = _HandOff.__new__(_HandOff)  # the wait alone, on a store where rank 0 never writes again
+    h = HandOff.__new__(HandOff)  # the wait alone, on a store where rank 0 never writes again
     h.store, h.rank, h.poll_s, h.alive_timeout_s = torch.distributed.HashStore(), 1, 0.2, 1.0
     h.store.add("beat", 1)
     t0 = time.monotonic()

@@ -185,6 +185,7 @@ class FakeSGLangServer:
         self.init_failure = init_failure  # a join that fails with this message
         self.join_wait_s = join_wait_s  # without joining: how long the join call takes (a real one waits for all ranks)
         self.abort_drain_s = abort_drain_s
+        self.generate_delay_s = 0.0  # every /generate waits this long first (a large model's latency)
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
         self.healthy = True  # False: /health 503 at once (starting or shutting down)
@@ -339,6 +340,8 @@ class FakeSGLangServer:
         except types.JsonContractError as exc:
             return self._reject(f"/generate: {exc}")
         await self._unpaused.wait()
+        if self.generate_delay_s:  # a large model's latency (the rehearsal's slow held-out evaluation)
+            await asyncio.sleep(self.generate_delay_s)
         if self.memory_freed:
             return self.crash(request, f"CUDA error: an illegal memory access (a forward pass with "
                                        f"{sorted(self.memory_freed)} released)")
@@ -580,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = LocalEngine(LocalEngineConfig(model=args.model_path, seed=args.random_seed, torch_threads=1))
         server = FakeSGLangServer(local_engine_handler(engine), engine=engine, join_weight_groups=True,
                                   enable_memory_saver=args.enable_memory_saver)
+        # not an SGLang flag: the environment sets the stand-in's latency per request (the rehearsal)
+        server.generate_delay_s = float(os.environ.get("FAKE_SGLANG_GENERATE_DELAY_S", "0"))
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()
