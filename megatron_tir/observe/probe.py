@@ -29,6 +29,10 @@ class TurnProbe:
         self.n_turns = n_turns
         self.max_ratio_K: torch.Tensor | None = None  # on the loss's device; never read per micro-batch (no sync)
 
+    @property
+    def entropy_needs_grad(self) -> bool:  # the wrapped loss's (policy.losses.entropy_needs_grad)
+        return bool(getattr(self.loss_fn, "entropy_needs_grad", True))
+
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None, extras: dict[str, torch.Tensor]):
         loss_BT, metrics = self.loss_fn(logprobs_BT, entropy_BT, extras)
         metrics["ppo_kl"] = (extras["old_logprobs_BT"] - logprobs_BT).detach()

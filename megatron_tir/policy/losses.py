@@ -11,6 +11,13 @@ critic's (``megatron_tir.policy.value_head``), on its ``[b, L, 1]`` output.
 
 Columns: the value at column ``t`` is about token ``t`` (its log-prob given the tokens before
 it, or the entropy of the distribution that predicted it); column 0 is 0.
+
+The entropy is a diagnostic unless the token loss trains on it (an entropy bonus): ``TokenLoss``
+then computes it without autograd, in chunks of tokens (``ENTROPY_CHUNK_ELEMS`` logit elements at a
+time), so it adds nothing to the backward graph. With autograd it keeps four float32 tensors the
+size of the logits shard (``z``, ``z - max``, ``exp``, their product) for the backward pass; measured
+on CPU (``tests/launch/test_plan_loss_memory.py``) the loss path holds 18 bytes per bf16 logit
+element that way against 8 without the entropy.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import torch
 
 from megatron_tir.policy.learner_contract import LossInputs, TokenLossFn
 from megatron_tir.policy.vocab_parallel import token_entropy, token_logprobs
+
+ENTROPY_CHUNK_ELEMS = 1 << 24  # logit elements per chunk of the entropy diagnostic (4 float32 temporaries: 256 MiB)
 
 
 def _shift_left(values_bL: torch.Tensor) -> torch.Tensor:
@@ -42,6 +51,27 @@ def aligned_logprobs(logits_bLV: torch.Tensor, tokens_bL: torch.Tensor, temperat
 def aligned_entropy(logits_bLV: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[b, L]``: column t = entropy of the distribution that predicted token t; column 0 = 0."""
     return _shift_left(token_entropy(logits_bLV, temperature))
+
+
+@torch.no_grad()
+def aligned_entropy_diagnostic(logits_bLV: torch.Tensor, temperature: float,
+                               chunk_elems: int | None = None) -> torch.Tensor:
+    """:func:`aligned_entropy` without autograd, ``chunk_elems`` (default ``ENTROPY_CHUNK_ELEMS``)
+    logit elements at a time (whole columns of the micro-batch): the same values, none of its
+    temporaries kept for backward.
+    Every TP rank cuts the same chunks (the shard's shape is the same), so the per-chunk
+    reductions over the TP group match."""
+    b, length, vocab = logits_bLV.shape
+    step = max(1, (chunk_elems or ENTROPY_CHUNK_ELEMS) // max(1, b * vocab))
+    parts = [token_entropy(logits_bLV[:, i:i + step], temperature) for i in range(0, length, step)]
+    return _shift_left(torch.cat(parts, dim=1))
+
+
+def entropy_needs_grad(token_loss: TokenLossFn) -> bool:
+    """Whether ``token_loss``'s gradient goes through the entropy: its ``entropy_needs_grad``
+    attribute (``rl.loss.PolicyLoss``: an entropy coefficient > 0); a token loss that does not
+    say is taken to need it (the entropy then keeps its autograd graph)."""
+    return bool(getattr(token_loss, "entropy_needs_grad", True))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -70,7 +100,9 @@ class TokenOutputs:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TokenLoss:
     """A ``LossFn`` for the policy: ``token_loss(logprobs_bL, entropy_bL or None, extras)`` on the
-    per-token log-probs (and entropy, with ``with_entropy``) under ``logits / temperature``."""
+    per-token log-probs (and entropy, with ``with_entropy``) under ``logits / temperature``. The
+    entropy is computed without autograd, in chunks, unless the token loss trains on it
+    (:func:`entropy_needs_grad`)."""
 
     token_loss: TokenLossFn
     temperature: float = 1.0
@@ -80,7 +112,10 @@ class TokenLoss:
         _check_temperature(self.temperature)
 
     def __call__(self, logits_bLV: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        entropy_bL = aligned_entropy(logits_bLV, self.temperature) if self.with_entropy else None
+        entropy_bL = None
+        if self.with_entropy:
+            entropy_bL = aligned_entropy(logits_bLV, self.temperature) if entropy_needs_grad(self.token_loss) \
+                else aligned_entropy_diagnostic(logits_bLV, self.temperature)
         logp_bL = aligned_logprobs(logits_bLV, inputs.tokens_bL, self.temperature)  # may reuse the logits
         return self.token_loss(logp_bL, entropy_bL, inputs.extras)
 
