@@ -3,11 +3,13 @@
     tir-launch --recipe tiny-cpu --executor local
     tir-launch --recipe qwen2.5-32b-simpletir --executor slurm --cluster launch/examples/h100.yaml --dryrun
     tir-launch --resume RUN_DIR --set rollout.max_turns=10 --set rollout.max_response_tokens=24576
-    tir-launch plan --recipe qwen2.5-32b-simpletir --cluster launch/examples/h100.yaml
+    tir-launch plan --recipe qwen2.5-32b-simpletir --cluster launch/examples/h100.yaml [--allow]
 
-``plan`` prints the capacity plan (memory per trainer stage and SGLang server, weight sync,
-sandbox slots, time to the first checkpoint) and exits 2 when the run does not fit; a Slurm
-launch runs the same checks before it submits.
+``plan`` prints the capacity plan (memory per trainer stage and SGLang server, the colocated
+generation phase, weight sync, sandbox slots, step time, steps per allocation, time to the first
+checkpoint) and exits 2 when the run does not fit; a Slurm launch runs the same checks before it
+submits. ``--allow`` (both) turns the time refusals (an allocation that cannot finish one step
+and one checkpoint, or writes no checkpoint) into warnings.
 
 User errors print ``tir-launch: error: <one line>`` and exit 2; a local run exits with the
 trainer's exit status.
@@ -46,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dryrun", action="store_true", help="print what would run (slurm: the sbatch script) and exit")
     p.add_argument("--emit-sbatch", metavar="FILE", help="write the sbatch script (and its group scripts next to "
                    "it, FILE.<group>.sh) without submitting")
+    p.add_argument("--allow", action="store_true", help="launch although the allocation cannot finish one step and "
+                   "one checkpoint (the capacity plan's time refusals become warnings)")
     return p
 
 
@@ -123,7 +127,7 @@ def _check_capacity(args, cluster: Cluster, where: str) -> None:
     except ValueError as exc:
         log.warning("capacity plan skipped: %s", exc)
         return
-    check_plan(plan, where=where)
+    check_plan(plan, where=where, allow=args.allow)
 
 
 def plan_main(argv: Sequence[str]) -> int:
@@ -131,6 +135,8 @@ def plan_main(argv: Sequence[str]) -> int:
     p.add_argument("--recipe", required=True)
     p.add_argument("--cluster", required=True, help="cluster file (YAML, see launch/examples/h100.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--allow", action="store_true", help="time refusals (no step and checkpoint within the "
+                   "allocation) become warnings: exit 0 unless something else does not fit")
     args = p.parse_args(argv)
     from megatron_tir.launch.layout import train_config
     from megatron_tir.launch.plan import plan_run
@@ -142,9 +148,9 @@ def plan_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         p.error(str(exc))
     print(f"tir-launch plan --recipe {args.recipe} --cluster {args.cluster}"
-          + "".join(f" --set {o}" for o in args.overrides))
-    print(plan.table())
-    return 2 if plan.problems else 0
+          + "".join(f" --set {o}" for o in args.overrides) + (" --allow" if args.allow else ""))
+    print(plan.table(allow=args.allow))
+    return 2 if plan.refusals(allow=args.allow) else 0
 
 
 def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:

@@ -1,23 +1,43 @@
-"""The capacity planner: will a recipe fit a cluster file, and when is its first checkpoint?
+"""The capacity planner: will a recipe fit a cluster file, and how many steps does a job get?
 
 ``plan_run(cfg, cluster)`` computes, from the model's shape (``model_facts``), the recipe's
 layout and budgets and the cluster file, per trainer pipeline stage and GPU: parameter,
 gradient and optimizer bytes, activations of one micro-batch at the token budget, the
-micro-batches 1F1B keeps in flight, logits and loss buffers, and the peak; per SGLang server:
-weights and KV-cache room at its memory fraction; the weight-sync bytes per step; sandbox calls
-per step and the slots that keep tool latency hidden; a step-time estimate and the time to the
-first checkpoint. ``Plan.problems`` lists what does not work (a stage or server that does not
-fit, a TP that does not divide the heads, a wall time shorter than the time to the first
-checkpoint); ``check_plan`` raises them as one ``ValueError``. The formulas, their sources and
+micro-batches 1F1B keeps in flight, the loss path (logits, log-softmax, entropy), the critic and
+the frozen reference when the recipe has them, and the peak (``plan_memory``); with colocated
+engines also the generation phase (what a trainer rank keeps plus SGLang's share); per SGLang
+server: weights and KV-cache room at its memory fraction; the weight-sync bytes per step;
+sandbox calls per step and the slots that keep tool latency hidden (from measured TIR cells);
+a step-time estimate, the steps one allocation completes and the time to the first checkpoint.
+``Plan.problems`` lists what does not work (a stage or server that does not fit, a TP that does
+not divide the heads, a layout start-up refuses); ``Plan.time_problems`` what does not finish
+in the allocation (not one step and one checkpoint, or no checkpoint before the end), which
+``--allow`` turns into warnings; ``check_plan`` raises them as one ``ValueError``. The formulas, their sources and
 their check against measurement are in ``launch/README.md`` ("Capacity planner").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
-GIB = 1024 ** 3
+from megatron_tir.launch.plan_memory import (  # noqa: F401  (re-exported: the planner's memory model)
+    GIB,
+    ModelShape,
+    StagePlan,
+    layer_activation_elems,
+    learner_stages,
+    logits_bytes_per_elem,
+)
+log = logging.getLogger(__name__)
+
+# The latency of one TIR code cell in the sandbox cluster, over the 23 cells of bench/data/tir_cells.jsonl
+# (sympy, numpy, brute force, sieves, DP, an error, a cell that runs into the 10 s limit), 3 rounds, one
+# call at a time on 2 shared cores: `python bench/bench_cells.py --repeats 3 --out bench/data/tir_cells_latency.json`
+# (2026-12-06; p50 0.048 s, p99 10.06 s: the time-out). The mean carries the time-out's share.
+SANDBOX_CALL_MEAN_S = 0.610
+SANDBOX_CALL_P90_S = 0.662
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -29,136 +49,15 @@ class Assumptions:
     mean_response_share: float = 0.28  # mean response length / max_response_tokens (DESIGN.md: ~38M tokens / step)
     mfu: float = 0.25  # model FLOPs utilisation of the learner
     decode_k: float = 68_400.0  # SGLang decode tokens/s per server ~ decode_k * GPUs / params (billions)
-    sandbox_call_s: float = 0.0115  # sandbox cost per call: `sandbox-cluster bench`, sympy+numpy, c=1 p50
+    # one TIR code cell in the sandbox (client wall time; measured, see SANDBOX_CALL_MEAN_S)
+    sandbox_call_s: float = SANDBOX_CALL_MEAN_S
+    sandbox_call_p90_s: float = SANDBOX_CALL_P90_S
     startup_s: float = 900.0  # job start to the first step: containers, weights, servers, warm-up
     checkpoint_s: float = 120.0  # writing a run checkpoint
     sync_link_bytes_s: float = 25e9  # one trainer GPU's NCCL broadcast to the servers (a 400 Gb/s NIC, about half)
     sync_call_s: float = 0.005  # one /update_weights_from_distributed round trip (HTTP + scheduler), per bucket
     sync_tensor_s: float = 5e-5  # one more NCCL broadcast call (the per-tensor format)
     sync_bucket_bytes: int = 256 << 20  # Learner.stage_buckets' default
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def of(cls, spec) -> ModelShape:
-        return cls(layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
-                   heads=spec.num_attention_heads, kv_heads=spec.num_query_groups, head_dim=spec.head_dim,
-                   vocab=spec.vocab_size, tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        h = self.hidden
-        attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        return attn + bias + 3 * h * self.ffn + 2 * h  # + the two RMSNorm weights
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def total_params(self) -> int:
-        out = 0 if self.tied else self.embedding_params
-        return self.layers * self.layer_params + self.embedding_params + out + self.hidden
-
-
-# ----------------------------------------------------------------------------- the learner's memory
-
-
-def layer_activation_elems(m: ModelShape, *, tp: int, sp: bool, recompute: str | None) -> float:
-    """Elements one transformer layer keeps for backward, per token, on one TP rank.
-
-    Without recomputation (megatron-core's layer with fused / flash attention, no dropout):
-    the two norms' inputs and outputs (4h, split over TP only with sequence parallelism),
-    Q, K, V after rotary ((q + 2 kv) / tp), the attention output (q / tp, also the output
-    projection's input; plus its softmax statistics, negligible), the MLP's fc1 output and its
-    SwiGLU output (3 ffn / tp). Full recomputation keeps only the layer's input (h, / tp with
-    sequence parallelism). Selective recomputation (core attention) saves the attention
-    scores, which fused attention never stores: counted as no saving.
-    """
-    seq_split = tp if sp else 1
-    if recompute == "full":
-        return m.hidden / seq_split
-    return 4 * m.hidden / seq_split + (m.q_dim + 2 * m.kv_dim) / tp + m.q_dim / tp + 3 * m.ffn / tp
-
-
-def logits_bytes_per_elem(activation_bytes: int) -> int:
-    """Logits and loss buffers per logit element of one TP rank (``policy.vocab_parallel``): the output
-    layer's logits (activation dtype), their float32 copy that megatron-core's vocab-parallel cross
-    entropy turns into the softmax in place, its float32 gradient, and the gradient cast back to the
-    activation dtype; in float32 the copy and the cast are the same tensors."""
-    return activation_bytes + 4 + (4 + activation_bytes if activation_bytes != 4 else 0)
-
-
-@dataclass(kw_only=True, slots=True)
-class StagePlan:
-    stage: int
-    params: int
-    param_bytes: float
-    grad_bytes: float
-    optimizer_bytes: float
-    activation_bytes: float  # one micro-batch at the token budget
-    in_flight: int  # micro-batches whose activations 1F1B holds at once on this stage
-    recompute_bytes: float  # full recomputation: one layer's activations rebuilt during backward
-    logits_bytes: float  # last stage only
-
-    @property
-    def static_bytes(self) -> float:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-    @property
-    def peak_bytes(self) -> float:
-        return self.static_bytes + self.in_flight * self.activation_bytes + self.recompute_bytes + self.logits_bytes
-
-
-def learner_stages(m: ModelShape, *, tp: int, pp: int, dp: int, tokens: int, dtype: str, sp: bool,
-                   recompute: str | None, distributed_optimizer: bool,
-                   micro_batches: int | None = None) -> list[StagePlan]:
-    """Per pipeline stage (one GPU of it): the learner's memory at a micro-batch of ``tokens`` tokens."""
-    pbytes = abytes = 2 if dtype == "bfloat16" else 4
-    # megatron-core keeps float32 gradient buffers (grad_reduce_in_fp32); Adam holds m and v in float32,
-    # plus a float32 main copy of 16-bit parameters; the distributed optimizer shards them over DP
-    opt_per_param = (12 if pbytes == 2 else 8) / (dp if distributed_optimizer else 1)
-    per_layer = layer_activation_elems(m, tp=tp, sp=sp, recompute=recompute)
-    full_layer = layer_activation_elems(m, tp=tp, sp=sp, recompute=None)
-    layers = m.layers // pp
-    out = []
-    for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
-        params = layers * m.layer_params / tp
-        if first:
-            params += m.embedding_params / tp
-        if last:
-            params += m.hidden + (m.embedding_params / tp if not m.tied or pp > 1 else 0)
-        act = tokens * layers * per_layer * abytes
-        if last:
-            act += tokens * 2 * m.hidden / (tp if sp else 1) * abytes  # the final norm's input and output
-        in_flight = min(pp - stage, micro_batches) if micro_batches else pp - stage
-        out.append(StagePlan(
-            stage=stage, params=round(params), param_bytes=params * pbytes, grad_bytes=params * 4,
-            optimizer_bytes=params * opt_per_param, activation_bytes=act, in_flight=in_flight,
-            recompute_bytes=tokens * full_layer * abytes if recompute == "full" else 0.0,
-            logits_bytes=tokens * m.vocab / tp * logits_bytes_per_elem(abytes) if last else 0.0))
-    return out
 
 
 # ----------------------------------------------------------------------------- the weight sync
@@ -223,45 +122,66 @@ class Plan:
     usable_bytes: float | None
     stages: list[StagePlan]
     server: ServerPlan | None
+    colocated: bool
+    generation_bytes: float | None  # colocated: per GPU while the engines generate (trainer's weights + SGLang's share)
     sync_bytes: float  # bf16 weights sent to each server per step
     sync_s: float | None  # one weight sync, per-stage senders (sync_time)
     sandbox_calls: int  # per sampling round, upper bound
+    sandbox_call_s: float  # mean latency of a TIR cell (Assumptions)
+    sandbox_call_p90_s: float
     sandbox_slots_needed: int
     sandbox_slots: int
     step_s: float | None
     generation_s: float | None
     train_s: float | None
     first_checkpoint_s: float | None
+    steps_per_allocation: int | None  # steps a job completes before its time limit (start-up and one checkpoint out)
     wall_s: float
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # the run does not work
+    time_problems: list[str] = field(default_factory=list)  # the allocation is too short (--allow: warnings)
 
-    def table(self) -> str:
+    def table(self, *, allow: bool = False) -> str:
         g = lambda b: f"{b / GIB:7.1f}"  # noqa: E731
         lines = [f"model {self.model}: TP {self.tp} x PP {self.pp} x DP {self.dp}, micro-batch budget "
                  f"{self.tokens} tokens; GPU memory {self.gpu_memory_gib or '?'} GiB, usable "
                  f"{g(self.usable_bytes).strip() if self.usable_bytes else '?'} GiB",
                  "trainer, per GPU (GiB)",
-                 "  stage  params(B)  weights    grads  optimizer  act/mb  in-flight  recompute  logits     peak"]
+                 "  stage  params(B)  weights    grads  optimizer  act/mb  in-flight  recompute  logits   critic"
+                 "  reference     peak"]
         for s in self.stages:
             lines.append(f"  {s.stage:5d}  {s.params / 1e9:9.3f}  {g(s.param_bytes)}  {g(s.grad_bytes)}  "
                          f"{g(s.optimizer_bytes)}    {g(s.activation_bytes)}  {s.in_flight:9d}    "
-                         f"{g(s.recompute_bytes)}  {g(s.logits_bytes)}  {g(s.peak_bytes)}")
+                         f"{g(s.recompute_bytes)}  {g(s.logits_bytes)}  {g(s.critic_bytes)}    "
+                         f"{g(s.reference_bytes)}  {g(s.peak_bytes)}")
         if self.server is not None:
             sv = self.server
             lines += [f"sglang: {sv.count} server(s) of TP {sv.tp}, mem_fraction_static {sv.mem_fraction}, per GPU: "
                       f"weights {g(sv.weight_bytes).strip()} GiB, KV room {g(sv.kv_room_bytes).strip()} GiB = "
                       f"{sv.kv_tokens:,} tokens per server"]
+        if self.colocated and self.generation_bytes is not None:
+            lines.append(f"colocated generation, per GPU: {g(self.generation_bytes).strip()} GiB (the trainer's weights "
+                         f"{g(max(s.weight_bytes for s in self.stages)).strip()} GiB after offloading gradients and "
+                         f"optimizer state + SGLang's mem_fraction_static)")
         lines.append(f"weight sync: {self.sync_bytes / 1e9:.1f} GB (bf16) to each server per step")
         if self.sync_s is not None:
             lines.append(f"weight sync time: ~{self.sync_s:.1f} s per step (every pipeline stage sends its own)")
-        lines.append(f"sandbox: <= {self.sandbox_calls:,} calls per sampling round; {self.sandbox_slots_needed} "
-                     f"slots keep tool latency hidden, {self.sandbox_slots} available")
+        lines.append(f"sandbox: <= {self.sandbox_calls:,} calls per sampling round at {self.sandbox_call_s:.2f} s mean "
+                     f"/ {self.sandbox_call_p90_s:.2f} s p90 per TIR cell (bench/bench_cells.py); "
+                     f"{self.sandbox_slots_needed} slots keep tool latency hidden, {self.sandbox_slots} available")
         if self.step_s is not None:
             lines.append(f"step: ~{self.step_s / 3600:.2f} h (generation {self.generation_s / 60:.0f} min, "
-                         f"training {self.train_s / 60:.0f} min); first checkpoint after ~"
-                         f"{self.first_checkpoint_s / 3600:.2f} h; wall time {self.wall_s / 3600:.2f} h")
-        lines += [f"REFUSED: {p}" for p in self.problems] or ["fits"]
+                         f"training {self.train_s / 60:.0f} min); {self.steps_per_allocation} step(s) per "
+                         f"allocation of {self.wall_s / 3600:.2f} h; first checkpoint after ~"
+                         f"{self.first_checkpoint_s / 3600:.2f} h")
+        lines += [f"REFUSED: {p}" for p in self.problems]
+        lines += [f"{'WARNING (--allow)' if allow else 'REFUSED'}: {p}" for p in self.time_problems]
+        if not self.refusals(allow=allow):
+            lines.append("fits")
         return "\n".join(lines)
+
+    def refusals(self, *, allow: bool = False) -> list[str]:
+        """What refuses the run: every problem, and the time problems unless ``allow``."""
+        return self.problems + ([] if allow else self.time_problems)
 
 
 def _seconds(text: str) -> float:
@@ -276,6 +196,18 @@ def _seconds(text: str) -> float:
     return (float(days) * 86400 if days else 0.0) + h * 3600 + m * 60 + s
 
 
+def colocated_problems(cluster) -> list[str]:
+    """What start-up refuses of a colocated layout: the colocated weight sync runs from the rank
+    holding the engine (rank 0) through CUDA IPC, and ``rollout.sync.sglang.check_node_local``
+    refuses every server that is not on that rank's node; ``tir-launch`` starts servers on every
+    trainer node, so more than one trainer node is refused."""
+    if not cluster.sglang.colocated or cluster.trainer.nodes == 1:
+        return []
+    return [f"colocated SGLang servers (sglang.nodes 0) on {cluster.trainer.nodes} trainer nodes: the colocated weight "
+            f"sync (CUDA IPC from rank 0) refuses servers off rank 0's node at start-up; use trainer.nodes 1, or give "
+            f"SGLang nodes of its own"]
+
+
 def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) -> Plan:
     """The plan of ``cfg`` (a ``TrainConfig``) on ``cluster`` (a ``Cluster``); see the module docstring."""
     from megatron_tir.launch.model_facts import model_spec
@@ -284,6 +216,7 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
     spec = spec or model_spec(cfg.model)
     m = ModelShape.of(spec)
     problems: list[str] = []
+    time_problems: list[str] = []
     gpus = cluster.node.gpus_per_node
     world = cluster.trainer.nodes * gpus
     dp = max(1, world // (lc.tp * lc.pp))
@@ -292,9 +225,13 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
             problems.append(f"learner.tp={lc.tp} does not divide the model's {n} {what}")
     if m.layers % lc.pp:
         problems.append(f"learner.pp={lc.pp} does not divide the model's {m.layers} layers")
+    critic = tc.ppo.advantage == "gae"  # train.run builds these two exactly so
+    reference = tc.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0
     stages = learner_stages(m, tp=lc.tp, pp=lc.pp, dp=dp, tokens=lc.max_tokens_per_microbatch, dtype=lc.dtype,
                             sp=lc.sequence_parallel, recompute=lc.recompute_granularity,
-                            distributed_optimizer=lc.distributed_optimizer)
+                            distributed_optimizer=lc.distributed_optimizer, temperature=rc.temperature or 1.0,
+                            entropy="grad" if tc.loss.entropy_coef > 0 else "diagnostic", critic=critic,
+                            reference=reference)
     mem_gib = cluster.node.gpu_memory_gib
     usable = mem_gib * GIB * assume.usable_memory_share if mem_gib else None
     if usable is not None:
@@ -312,9 +249,10 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
     elif m.kv_heads % s_tp and s_tp % m.kv_heads:
         problems.append(f"sglang.tp={s_tp} neither divides nor is a multiple of the model's {m.kv_heads} KV heads")
     colocated = cluster.sglang.colocated
+    problems += colocated_problems(cluster)
     mem_fraction = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
     servers = (cluster.trainer.nodes if colocated else cluster.sglang.nodes) * cluster.servers_per_node
-    server = None
+    server = generation = None
     if mem_gib:
         kv_per_gpu = max(1, m.kv_heads // s_tp)
         server = ServerPlan(tp=s_tp, count=servers, weight_bytes=m.total_params * 2 / s_tp,
@@ -324,14 +262,23 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
         if server.kv_tokens < longest:
             problems.append(f"an SGLang server of TP {s_tp} has KV room for {server.kv_tokens:,} tokens at "
                             f"mem_fraction_static {mem_fraction}, less than one {longest:,}-token trajectory")
+        if colocated:  # generation: the server's static share beside what the trainer keeps (policy.memory)
+            kept = max(s.weight_bytes for s in stages)
+            generation = kept + mem_fraction * mem_gib * GIB
+            if generation > usable:
+                problems.append(f"colocated generation needs {generation / GIB:.1f} GiB per GPU (the trainer keeps "
+                                f"{kept / GIB:.1f} GiB of weights + SGLang's mem_fraction_static {mem_fraction} of "
+                                f"{mem_gib} GiB), more than the {usable / GIB:.1f} GiB usable (lower "
+                                f"sglang.mem_fraction_static)")
     # sandbox: every model turn may run code (rollout.driver runs a code turn's block, the last turn's too)
     prompts_round = tc.sampling.prompts_per_round
     calls = prompts_round * rc.n_samples * (rc.max_turns if rc.tools else 0)
     mean_response = assume.mean_response_share * rc.max_response_tokens
     slots = cluster.sandbox.workers_per_node * max(1, cluster.sandbox.nodes)
-    step_s = gen_s = train_s = first_s = None
+    step_s = gen_s = train_s = first_s = steps_per_job = None
     tflops = cluster.node.gpu_tflops
     slots_needed = 0
+    wall_s = _seconds(cluster.time)
     if servers and tflops:
         params_b = m.total_params / 1e9
         server_tps = assume.decode_k * s_tp / params_b
@@ -339,12 +286,16 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
         # Little's law: in-flight trajectories alternate a turn of decoding and a tool call
         per_seq_tps = servers * server_tps / max(1, rc.max_in_flight)
         turn_s = mean_response / max(1, rc.max_turns) / per_seq_tps
-        slots_needed = math.ceil(rc.max_in_flight * assume.sandbox_call_s / (assume.sandbox_call_s + turn_s)) \
-            if calls else 0
+        c = assume.sandbox_call_s
+        slots_needed = math.ceil(rc.max_in_flight * c / (c + turn_s)) if calls else 0
         rows = tc.sampling.prompts_per_step * rc.n_samples
         tokens = rows * (assume.prompt_tokens + mean_response)
         passes = 6 * tc.ppo.epochs + (2 if tc.ppo.old_logprobs == "learner" else 0) \
             + (2 * tc.ppo.epochs if lc.recompute_granularity == "full" else 0)
+        if critic:  # the critic: a forward for the old values, forward + backward per epoch
+            passes += 2 + 6 * tc.ppo.epochs
+        if reference:
+            passes += 2
         train_s = passes * m.total_params * tokens / (world * tflops * 1e12 * assume.mfu)
         step_s = gen_s + train_s
         ck = tc.checkpoint
@@ -352,19 +303,30 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
         minutes = getattr(ck, "minutes", 0.0) or 0.0
         by_time = math.ceil(minutes * 60 / step_s) * step_s if minutes else math.inf
         first_s = assume.startup_s + min(by_steps, by_time) + assume.checkpoint_s
-    wall_s = _seconds(cluster.time)
+        steps_per_job = max(0, math.floor((wall_s - assume.startup_s - assume.checkpoint_s) / step_s))
+        if steps_per_job < 1:
+            time_problems.append(f"a {cluster.time} allocation cannot finish one step and one checkpoint (start-up "
+                                 f"~{assume.startup_s / 60:.0f} min + a step ~{step_s / 3600:.2f} h + a checkpoint "
+                                 f"~{assume.checkpoint_s / 60:.0f} min): a longer time, or a smaller step "
+                                 f"(trainer.sampling.prompts_per_step, rollout.max_response_tokens)")
     sync_s = None if colocated or m.layers % lc.pp else sync_time(spec, pp=lc.pp, assume=assume)["per_stage_s"]
-    if first_s is not None and first_s > wall_s:
-        problems.append(f"the first checkpoint comes after ~{first_s / 3600:.1f} h (a step is ~{step_s / 3600:.2f} h), "
-                        f"later than the wall time {cluster.time}: set trainer.checkpoint.minutes or "
-                        f"trainer.checkpoint.every, or a longer time")
+    if first_s is not None and first_s > wall_s and steps_per_job:
+        time_problems.append(f"the first checkpoint comes after ~{first_s / 3600:.1f} h (a step is ~"
+                             f"{step_s / 3600:.2f} h), later than the wall time {cluster.time}: set "
+                             f"trainer.checkpoint.minutes or trainer.checkpoint.every, or a longer time")
     return Plan(model=cfg.model, tp=lc.tp, pp=lc.pp, dp=dp, tokens=lc.max_tokens_per_microbatch,
-                gpu_memory_gib=mem_gib, usable_bytes=usable, stages=stages, server=server,
-                sync_bytes=m.total_params * 2, sync_s=sync_s, sandbox_calls=calls, sandbox_slots_needed=slots_needed,
-                sandbox_slots=slots, step_s=step_s, generation_s=gen_s, train_s=train_s, first_checkpoint_s=first_s,
-                wall_s=wall_s, problems=problems)
+                gpu_memory_gib=mem_gib, usable_bytes=usable, stages=stages, server=server, colocated=colocated,
+                generation_bytes=generation, sync_bytes=m.total_params * 2, sync_s=sync_s, sandbox_calls=calls,
+                sandbox_call_s=assume.sandbox_call_s, sandbox_call_p90_s=assume.sandbox_call_p90_s,
+                sandbox_slots_needed=slots_needed, sandbox_slots=slots, step_s=step_s, generation_s=gen_s,
+                train_s=train_s, first_checkpoint_s=first_s, steps_per_allocation=steps_per_job, wall_s=wall_s,
+                problems=problems, time_problems=time_problems)
 
 
-def check_plan(plan: Plan, *, where: str) -> None:
-    if plan.problems:
-        raise ValueError(f"{where}: " + "; ".join(plan.problems) + " (tir-launch plan prints the whole plan)")
+def check_plan(plan: Plan, *, where: str, allow: bool = False) -> None:
+    """ValueError with every refusal (``allow``: the time problems are logged as warnings instead)."""
+    refusals = plan.refusals(allow=allow)
+    if refusals:
+        raise ValueError(f"{where}: " + "; ".join(refusals) + " (tir-launch plan prints the whole plan)")
+    for problem in plan.time_problems:
+        log.warning("%s: %s (--allow)", where, problem)
