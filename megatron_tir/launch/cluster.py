@@ -5,10 +5,12 @@ and a cluster file serves every recipe. ``load_cluster(path)`` reads and checks 
 ``check_layout(cluster, layout)`` checks it against a recipe's parallel layout. Every
 problem is a ``ValueError`` with one line that names the file and the key.
 
-One allocation holds every group (no heterogeneous job; see launch/README.md), so all
-groups take their nodes from one partition. ``sglang.nodes: 0`` colocates the SGLang
-servers on the trainer's GPUs; ``sandbox.nodes: 0`` runs the sandbox beside the trainer on
-its first node's CPUs.
+One allocation holds the trainer and SGLang groups (no heterogeneous job; see
+launch/README.md), from one partition. The sandbox group joins that allocation when it names
+the same partition, or runs in a second allocation on its own partition (``sandbox.partition:
+cpu``: CPU nodes, no idle GPUs), which the main job submits when it starts and cancels when it
+ends. ``sglang.nodes: 0`` colocates the SGLang servers on the trainer's GPUs;
+``sandbox.nodes: 0`` runs the sandbox beside the trainer on its first node's CPUs.
 """
 
 from __future__ import annotations
@@ -87,9 +89,10 @@ class SGLangGroup:
 @dataclass(kw_only=True, slots=True)
 class SandboxGroup:
     nodes: int  # 0: beside the trainer, on its first node's CPUs
-    partition: str | None = None
+    partition: str | None = None  # another partition than the trainer's: a second allocation there
     workers_per_node: int = 32  # sandbox worker processes (one warm zygote each) per node
     port: int = 5555  # broker's client endpoint; workers connect to port + 1
+    start_timeout_s: int = 1800  # a second allocation: how long the main job waits for it to start, then fails
     container_image: str | None = None
     mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -101,6 +104,8 @@ class SandboxGroup:
             raise ValueError(f"workers_per_node must be >= 1, got {self.workers_per_node}")
         if not 1024 <= self.port < 65000:
             raise ValueError(f"port must be in 1024..64999, got {self.port}")
+        if self.start_timeout_s < 60:
+            raise ValueError(f"start_timeout_s must be >= 60, got {self.start_timeout_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,11 +165,10 @@ class Cluster:
         if self.sandbox.nodes and self.partitions[self.partition_of("sandbox")].gpu_only:
             raise ValueError(f"sandbox.partition: {self.partition_of('sandbox')!r} is GPU-only (gpu_only: true); "
                              "the CPU sandbox cannot take nodes there (sandbox.nodes: 0 runs it beside the trainer)")
-        for group in ("sglang", "sandbox"):
-            if getattr(self, group).nodes and self.partition_of(group) != self.partition_of("trainer"):
-                raise ValueError(f"{group}.partition: {self.partition_of(group)!r} differs from the trainer's "
-                                 f"{self.partition_of('trainer')!r}; one allocation takes its nodes from one "
-                                 "partition (tir-launch does not use heterogeneous jobs)")
+        if self.sglang.nodes and self.partition_of("sglang") != self.partition_of("trainer"):
+            raise ValueError(f"sglang.partition: {self.partition_of('sglang')!r} differs from the trainer's "
+                             f"{self.partition_of('trainer')!r}; the trainer and SGLang share one allocation from one "
+                             "partition (only the sandbox may run in a second allocation on another partition)")
 
     def partition_of(self, group: str) -> str:
         return getattr(self, group).partition or self.partition
@@ -181,8 +185,14 @@ class Cluster:
         return self.partitions[self.partition_of("trainer")]
 
     @property
+    def sandbox_apart(self) -> bool:
+        """The sandbox runs in a second allocation on its own partition (not the trainer's)."""
+        return bool(self.sandbox.nodes) and self.partition_of("sandbox") != self.partition_of("trainer")
+
+    @property
     def total_nodes(self) -> int:
-        return self.trainer.nodes + self.sglang.nodes + self.sandbox.nodes
+        """The main allocation's nodes (the sandbox's only when it shares the trainer's partition)."""
+        return self.trainer.nodes + self.sglang.nodes + (0 if self.sandbox_apart else self.sandbox.nodes)
 
     @property
     def sglang_tp(self) -> int:
@@ -209,7 +219,8 @@ def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "clust
                          "inside a node)")
     if gpus % cluster.sglang_tp:
         raise ValueError(f"{where}: sglang.tp = {cluster.sglang_tp} must divide the {gpus} GPUs of a node")
-    cpus = cluster.node.cpus_per_node
+    cpus = cluster.partitions[cluster.partition_of("sandbox")].cpus_per_node if cluster.sandbox.nodes \
+        else cluster.node.cpus_per_node
     if cluster.sandbox.workers_per_node > cpus:
         raise ValueError(f"{where}: sandbox.workers_per_node = {cluster.sandbox.workers_per_node} exceeds the "
                          f"{cpus} CPUs of a node")

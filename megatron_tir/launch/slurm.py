@@ -2,7 +2,11 @@
 
 The allocation asks for every group's nodes at once (``trainer + sglang + sandbox``); a
 setup block at the top of the sbatch script cuts ``$SLURM_JOB_NODELIST`` into the groups'
-node lists in that order and derives every address the trainer needs from the host names:
+node lists in that order and derives every address the trainer needs from the host names.
+A sandbox group on another partition than the trainer's (``sandbox.partition: cpu``) is not
+in that allocation: the setup block submits it as a second job there (``sandbox_job_script``),
+waits until it runs (``sandbox.start_timeout_s``), reads its hosts, and cancels it when the
+main job ends (a loop in the second job ends it too once the main job is gone):
 
     TIR_TRAINER_NODES / TIR_SGLANG_NODES / TIR_SANDBOX_NODES   each group's hosts
     TIR_MASTER_ADDR      the trainer's first host (torchrun rendezvous)
@@ -51,10 +55,11 @@ def _dq(text: str) -> str:
 
 
 def node_ranges(cluster: Cluster) -> dict[str, tuple[int, int]]:
-    """group -> (first index, count) into the allocation's sorted host list."""
+    """group -> (first index, count) into the allocation's sorted host list (a sandbox in a second
+    allocation counts 0 here)."""
     out, start = {}, 0
     for group in GROUPS:
-        count = getattr(cluster, group).nodes
+        count = 0 if group == "sandbox" and cluster.sandbox_apart else getattr(cluster, group).nodes
         out[group] = (start, count)
         start += count
     return out
@@ -76,6 +81,8 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
         'tir_join() { local IFS=,; echo "$*"; }',
     ]
     for group, (first, count) in ranges.items():
+        if group == "sandbox" and cluster.sandbox_apart:
+            continue  # from the second allocation, below
         value = f'$(tir_join "${{TIR_NODES[@]:{first}:{count}}}")' if count else '""'
         lines.append(f"export TIR_{group.upper()}_NODES={value}")
     lines += [
@@ -87,10 +94,15 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
         "    done",
         "done",
         "export TIR_ENGINE_URLS",
-        f'export TIR_SANDBOX_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port}"',
-        f'export TIR_SANDBOX_WORKER_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port + 1}"',
         f"export TIR_RUN_DIR={shlex.quote(spec.run_dir)}",
         'mkdir -p "$TIR_RUN_DIR/logs"',
+    ]
+    if cluster.sandbox_apart:
+        lines += sandbox_allocation_lines(cluster, spec)
+    else:
+        lines += [f'export TIR_SANDBOX_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port}"',
+                  f'export TIR_SANDBOX_WORKER_ADDRESS="tcp://${{TIR_NODES[{s0}]}}:{cluster.sandbox.port + 1}"']
+    lines += [
         f"# Slurm's pre-timeout signal (--signal=B:USR1@{cluster.signal_before_end_s}) reaches this shell; srun passes",
         "# it on to the trainer's agents (the last group), whose trainer ranks checkpoint and exit 0",
         """trap 'echo "tir-launch: SIGUSR1 (time limit near): passed to the trainer"; """
@@ -100,6 +112,98 @@ def setup_lines(cluster: Cluster, spec: RunSpec) -> str:
         'echo "tir-launch: engine $TIR_ENGINE_URLS | sandbox $TIR_SANDBOX_ADDRESS | run dir $TIR_RUN_DIR"',
     ]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the sandbox's own allocation
+
+SANDBOX_JOB_FILE = "sandbox-job.sbatch"  # in RUN_DIR/logs/, written by the main job's setup block
+SANDBOX_GROUP_FILE = "sandbox-group.sh"
+SANDBOX_JOB_ID_FILE = "sandbox-job.id"
+_ALIVE = "RUNNING|COMPLETING|CONFIGURING|SUSPENDED"  # squeue states of a main job that still needs its sandbox
+
+
+def sandbox_job_script(cluster: Cluster, spec: RunSpec) -> str:
+    """The second allocation's batch script: the sandbox group on ``sandbox.partition``'s CPU nodes,
+    one agent per node (the group's script, ``RUN_DIR/logs/sandbox-group.sh``), in the group's
+    container when the cluster has images. It ends when the main job (``$TIR_MAIN_JOB``, passed in
+    its environment) is no longer running: five missed checks a minute apart (a busy controller
+    is not a finished job; a requeued main job is pending and submits its own)."""
+    part = cluster.partitions[cluster.partition_of("sandbox")]
+    nodes = cluster.sandbox.nodes
+    flags = {"account": cluster.account, "partition": cluster.partition_of("sandbox"), "qos": cluster.qos,
+             "time": cluster.time, "nodes": nodes, "ntasks-per-node": 1, "mem": 0,
+             "job-name": f"tir-sandbox-{Path(spec.run_dir).name}",
+             "output": f"{spec.run_dir}/logs/sandbox-job-%j.out"}
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+            f"--cpus-per-task={part.cpus_per_node}", "--kill-on-bad-exit=1"]
+    image = cluster.image_of("sandbox")
+    if image:
+        srun += ["--container-image", shlex.quote(image),
+                 "--container-mounts", shlex.quote(",".join(_mounts(cluster, spec, "sandbox")))]
+    return "\n".join([
+        "#!/bin/bash",
+        *(f"#SBATCH --{k}={v}" for k, v in flags.items() if v is not None),
+        "#SBATCH --exclusive",
+        f"# tir-launch: the sandbox group of {spec.run_dir}, in its own allocation on partition "
+        f"{cluster.partition_of('sandbox')!r}; submitted by job $TIR_MAIN_JOB, which cancels it when it ends",
+        "set -uo pipefail",
+        'TIR_NODES=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
+        'export TIR_SANDBOX_NODES=$(IFS=,; echo "${TIR_NODES[*]}")',
+        f'export TIR_SANDBOX_WORKER_ADDRESS="tcp://${{TIR_NODES[0]}}:{cluster.sandbox.port + 1}"',
+        "(",
+        "    misses=0",
+        '    while [ "$misses" -lt 5 ]; do',
+        "        sleep 60",
+        '        case "$(squeue -h -j "$TIR_MAIN_JOB" -o %T 2>/dev/null)" in',
+        f"            {_ALIVE}) misses=0 ;;",
+        "            *) misses=$((misses + 1)) ;;",
+        "        esac",
+        "    done",
+        '    echo "tir-launch: job $TIR_MAIN_JOB is no longer running: ending the sandbox allocation"',
+        '    scancel "$SLURM_JOB_ID"',
+        ") &",
+        " ".join(srun) + f' bash "$TIR_RUN_DIR/logs/{SANDBOX_GROUP_FILE}"',
+    ]) + "\n"
+
+
+def sandbox_allocation_lines(cluster: Cluster, spec: RunSpec) -> list[str]:
+    """Setup-block lines that submit the sandbox's second allocation, wait until it runs and derive
+    the broker's address from its first host; the main job cancels it when it ends (EXIT trap), and
+    a requeued attempt cancels its predecessor's first. sbatch gets no ``SLURM_*`` / ``SBATCH_*``
+    variables of this job (they would set the second job's options)."""
+    part = cluster.partition_of("sandbox")
+    wait = cluster.sandbox.start_timeout_s
+    logs = "$TIR_RUN_DIR/logs"
+    return [
+        f"# tir-launch: the sandbox group runs in a second allocation on partition {part!r} (CPU nodes)",
+        f'cat > "{logs}/{SANDBOX_JOB_FILE}" <<\'TIR_SANDBOX_JOB_EOF\'',
+        sandbox_job_script(cluster, spec).rstrip("\n"),
+        "TIR_SANDBOX_JOB_EOF",
+        f'cat > "{logs}/{SANDBOX_GROUP_FILE}" <<\'TIR_SANDBOX_GROUP_EOF\'',
+        sandbox_script(cluster, spec).rstrip("\n"),
+        "TIR_SANDBOX_GROUP_EOF",
+        f'if [ -s "{logs}/{SANDBOX_JOB_ID_FILE}" ]; then  # a requeued attempt: its predecessor\'s sandbox',
+        f'    scancel "$(cat "{logs}/{SANDBOX_JOB_ID_FILE}")" 2>/dev/null || true',
+        "fi",
+        "TIR_SANDBOX_JOB=$(env $(compgen -e | grep -E '^(SLURM|SBATCH|SRUN)_' | sed 's/^/-u /') "
+        f'TIR_MAIN_JOB="$SLURM_JOB_ID" sbatch --parsable "{logs}/{SANDBOX_JOB_FILE}") || {{',
+        f'    echo "tir-launch: sbatch refused the sandbox allocation on partition {part}" >&2; exit 1; }}',
+        'TIR_SANDBOX_JOB="${TIR_SANDBOX_JOB%%;*}"',
+        f'echo "$TIR_SANDBOX_JOB" > "{logs}/{SANDBOX_JOB_ID_FILE}"',
+        """trap 'scancel "$TIR_SANDBOX_JOB" 2>/dev/null' EXIT""",
+        "tir_waited=0",
+        'until [ "$(squeue -h -j "$TIR_SANDBOX_JOB" -o %T 2>/dev/null)" = RUNNING ]; do',
+        f'    if [ "$tir_waited" -ge {wait} ]; then',
+        f'        echo "tir-launch: the sandbox allocation (job $TIR_SANDBOX_JOB, partition {part}) did not start '
+        f'within {wait} s (sandbox.start_timeout_s)" >&2; exit 1',
+        "    fi",
+        "    sleep 10; tir_waited=$((tir_waited + 10))",
+        "done",
+        'TIR_SANDBOX_HOSTS=( $(scontrol show hostnames "$(squeue -h -j "$TIR_SANDBOX_JOB" -o %N)") )',
+        'export TIR_SANDBOX_NODES=$(tir_join "${TIR_SANDBOX_HOSTS[@]}")',
+        f'export TIR_SANDBOX_ADDRESS="tcp://${{TIR_SANDBOX_HOSTS[0]}}:{cluster.sandbox.port}"',
+        f'echo "tir-launch: sandbox allocation $TIR_SANDBOX_JOB on $TIR_SANDBOX_NODES (partition {part})"',
+    ]
 
 
 # ----------------------------------------------------------------------------- commands
@@ -243,7 +347,8 @@ def add_tasks(exp, cluster: Cluster, spec: RunSpec) -> list[str]:
     first; returns the groups in task order."""
     import nemo_run as run
 
-    groups = [g for g in ("sandbox", "sglang") if getattr(cluster, g).nodes] + ["trainer"]
+    groups = [g for g in ("sandbox", "sglang") if getattr(cluster, g).nodes
+              and not (g == "sandbox" and cluster.sandbox_apart)] + ["trainer"]
     scripts = {"trainer": trainer_script, "sglang": sglang_script, "sandbox": sandbox_script}
     exp.add([run.Script(inline=scripts[g](cluster, spec)) for g in groups],
             executor=[_executor(cluster, spec, g) for g in groups], name=TASK_NAME)

@@ -12,7 +12,9 @@ from megatron_tir.launch.layout import TrainerLayout, trainer_layout
 def test_example_cluster_file_loads_with_its_layout(example_cluster):
     cluster = load_cluster(example_cluster)
     assert (cluster.trainer.nodes, cluster.sglang.nodes, cluster.sandbox.nodes) == (4, 2, 1)
-    assert cluster.total_nodes == 7
+    assert cluster.sandbox_apart and cluster.partition_of("sandbox") == "cpu"  # a second allocation of CPU nodes
+    assert cluster.total_nodes == 6  # the main allocation: trainer and SGLang
+    assert cluster.env["NCCL_SOCKET_IFNAME"] == cluster.env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert cluster.node.gpus_per_node == 8 and cluster.servers_per_node == 2  # TP 4: divides 28 and 40 heads
     assert cluster.model_path("Qwen2.5-32B").endswith("/models/Qwen2.5-32B")
     assert cluster.model_path("unmapped") == "unmapped"
@@ -33,9 +35,11 @@ def _layout(tp: int, pp: int) -> TrainerLayout:
     ({"sandbox.mounts": ["/no/colon"]}, "sandbox.mounts: '/no/colon' is not src:dst"),
     ({"partition": "gpu"}, "trainer.partition: 'gpu' is not in partitions"),
     ({"trainer.partition": "cpu"}, "trainer.partition: 'cpu' has no GPUs"),
-    ({"sandbox.partition": "cpu"}, "sandbox.partition: 'cpu' differs from the trainer's 'batch'"),
-    ({"partitions.batch": {"gpus_per_node": 8, "cpus_per_node": 224, "gpu_only": True}},
+    ({"partitions.gpu2": {"gpus_per_node": 8, "cpus_per_node": 224}, "sglang.partition": "gpu2"},
+     "sglang.partition: 'gpu2' differs from the trainer's 'batch'"),
+    ({"partitions.batch": {"gpus_per_node": 8, "cpus_per_node": 224, "gpu_only": True}, "sandbox.partition": "batch"},
      "sandbox.partition: 'batch' is GPU-only"),
+    ({"sandbox.start_timeout_s": 5}, "sandbox: start_timeout_s must be >= 60"),
     ({"sglang.port": 80}, "sglang: port must be in 1024..64999"),
     ({"sglang.container_image": "img", "container_image": "__null__"},
      "sglang.container_image needs a cluster container_image"),
@@ -68,7 +72,9 @@ def test_unreadable_and_invalid_yaml(tmp_path):
     ((8, 2), {"trainer.nodes": 3}, "TP x PP = 8 x 2 = 16 does not divide the trainer's 3 nodes x 8 GPUs = 24"),
     ((16, 1), {}, "TP = 16 must divide the 8 GPUs of a node"),
     ((1, 1), {"sglang.tp": 3}, "sglang.tp = 3 must divide the 8 GPUs of a node"),
-    ((1, 1), {"sandbox.workers_per_node": 500}, "sandbox.workers_per_node = 500 exceeds the 224 CPUs"),
+    ((1, 1), {"sandbox.workers_per_node": 500}, "sandbox.workers_per_node = 500 exceeds the 192 CPUs"),  # cpu's
+    ((1, 1), {"sandbox.workers_per_node": 200}, "sandbox.workers_per_node = 200 exceeds the 192 CPUs"),
+    ((1, 1), {"sandbox.workers_per_node": 300, "sandbox.nodes": 0}, "workers_per_node = 300 exceeds the 224 CPUs"),
 ])
 def test_layout_contradictions(cluster_file, layout, changes, fragment):
     path = cluster_file(changes)

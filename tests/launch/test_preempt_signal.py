@@ -26,7 +26,7 @@ def test_the_sbatch_asks_for_the_signal_and_passes_it_to_the_trainer_group(clust
                    run_dir=str(tmp_path / "runs" / "r"))
     rendered = slurm.render(cluster, spec)
     assert "#SBATCH --signal=B:USR1@1200" in rendered.sbatch.splitlines()
-    (trap,) = [line for line in rendered.sbatch.splitlines() if line.startswith("trap ")]
+    (trap,) = [line for line in rendered.sbatch.splitlines() if line.startswith("trap ") and line.endswith(" USR1")]
     # the trap, in bash, with two stand-in group steps: USR1 reaches the last one (the trainer's srun) only
     script = textwrap.dedent(f"""\
         {trap}

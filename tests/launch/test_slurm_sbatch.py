@@ -27,6 +27,9 @@ from megatron_tir.train.config import apply_overrides, load_recipe, to_dict
 
 RECIPE = "qwen2.5-32b-simpletir"
 HOSTS = [f"gpu{i:03d}" for i in range(1, 8)]
+# The example file runs the sandbox in a second allocation on its CPU partition (test_slurm_sandbox_job.py);
+# these tests read the one-allocation layout, the sandbox on a node of the GPU partition.
+ONE = {"sandbox.partition": "batch"}
 
 
 def _render(cluster_path, run_dir, **spec):
@@ -99,7 +102,7 @@ def _options(argv: list[str], name: str) -> list[str]:
 def rendered(cluster_file, tmp_path):
     # the example file runs two TP-4 servers per node (for Qwen2.5-7B's 28 heads too); these tests read
     # the one-TP-8-server-per-node layout, valid for the 32B recipe's 40 heads
-    return _render(cluster_file({"sglang.tp": 8}), tmp_path / "runs" / "q32")
+    return _render(cluster_file({"sglang.tp": 8, **ONE}), tmp_path / "runs" / "q32")
 
 
 def test_one_allocation_of_all_groups(rendered):
@@ -217,7 +220,7 @@ def _started_run(tmp_path, example_cluster) -> Path:
 
 
 def test_resume_continues_on_the_same_layout_with_new_budgets(cluster_file, tmp_path, capsys, shims):
-    example_cluster = cluster_file({"sglang.tp": 8})
+    example_cluster = cluster_file({"sglang.tp": 8, **ONE})
     run_dir = _started_run(tmp_path, example_cluster)
     code = main(["--resume", str(run_dir), "--set", "rollout.max_turns=10",
                  "--set", "rollout.max_response_tokens=24576", "--dryrun"])
@@ -264,7 +267,7 @@ def test_resume_of_a_dir_tir_launch_did_not_start(tmp_path, capsys):
 
 
 def test_colocated_sglang_runs_on_the_trainers_gpus(cluster_file, shims, tmp_path):
-    out = _render(cluster_file({"sglang.nodes": 0, "sglang.tp": 4}), tmp_path / "r")
+    out = _render(cluster_file({"sglang.nodes": 0, "sglang.tp": 4, **ONE}), tmp_path / "r")
     assert _sbatch_flags(out.sbatch)["nodes"] == "5" and list(out.scripts) == ["sandbox", "trainer"]
     env = _addresses(out.sbatch, shims, HOSTS[:5])
     assert env["TIR_SGLANG_NODES"] == "" and env["TIR_SANDBOX_ADDRESS"] == "tcp://gpu005:5555"
@@ -307,9 +310,9 @@ def test_sandbox_beside_the_trainer(cluster_file, shims, tmp_path):
     assert _options(second, "--service") == []
 
 
-def test_cli_emit_sbatch_writes_the_script_and_its_group_scripts(example_cluster, tmp_path, capsys):
+def test_cli_emit_sbatch_writes_the_script_and_its_group_scripts(cluster_file, tmp_path, capsys):
     target = tmp_path / "job.sbatch"
-    assert main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(example_cluster),
+    assert main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(cluster_file(ONE)),
                  "--out", str(tmp_path / "run"), "--emit-sbatch", str(target)]) == 0
     assert target.read_text().startswith("#!/bin/bash") and len(_srun_lines(target.read_text())) == 3
     for group in ("sandbox", "sglang", "trainer"):
@@ -319,7 +322,8 @@ def test_cli_emit_sbatch_writes_the_script_and_its_group_scripts(example_cluster
 
 
 def test_each_group_can_have_its_own_image_and_mounts(cluster_file, tmp_path):
-    path = cluster_file({"sglang.container_image": "lmsysorg/sglang:v0.5.4", "sandbox.mounts": ["/scratch:/scratch"]})
+    path = cluster_file({"sglang.container_image": "lmsysorg/sglang:v0.5.4", "sandbox.mounts": ["/scratch:/scratch"],
+                         **ONE})
     lines = _srun_lines(_render(path, tmp_path / "runs" / "r").sbatch)
     words = [line.split() for line in lines]  # sandbox, sglang, trainer
     images = [w[w.index("--container-image") + 1] for w in words]
@@ -365,7 +369,7 @@ def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tm
     calls = tmp_path / "sbatch.calls"
     _stand_in_slurm(tmp_path, monkeypatch, f'printf "%s\\n" "$@" > {calls}\necho 4242\n')
     shared = tmp_path / "shared"
-    path = cluster_file({"job_dir": str(shared / "nemo-run"), "run_root": str(shared / "runs")})
+    path = cluster_file({"job_dir": str(shared / "nemo-run"), "run_root": str(shared / "runs"), **ONE})
     run_dir = shared / "runs" / "r1"
 
     assert main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(path), "--out", str(run_dir)]) == 0
@@ -391,7 +395,7 @@ def test_submit_hands_sbatch_a_script_whose_group_scripts_exist(cluster_file, tm
     (["/lustre/fsw/my_project/tir/runs:/lustre/fsw/my_project/tir/runs:ro"], False),
 ])
 def test_the_run_dir_is_visible_at_its_own_path(cluster_file, mounts, added):
-    path = cluster_file({"mounts": mounts})
+    path = cluster_file({"mounts": mounts, **ONE})
     run_dir = "/lustre/fsw/my_project/tir/runs/r"
     out = render(load_cluster(path), RunSpec(recipe=RECIPE, layout=trainer_layout(recipe=RECIPE), run_dir=run_dir))
     words = _srun_lines(out.sbatch)[2].split()
@@ -412,7 +416,7 @@ def test_a_requeued_job_continues_from_the_runs_last_checkpoint(rendered, shims,
 
 
 def test_without_containers_the_groups_run_from_the_job_dir(cluster_file, tmp_path):
-    path = cluster_file({"env": {"PATH": "/shared/venv/bin:/usr/bin:/bin"}}, nulls=("container_image",))
+    path = cluster_file({"env": {"PATH": "/shared/venv/bin:/usr/bin:/bin"}, **ONE}, nulls=("container_image",))
     out = _render(path, tmp_path / "runs" / "r")
     for line in _srun_lines(out.sbatch):
         words = line.split()
