@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="training config override, passed to megatron-tir train (repeatable)")
     p.add_argument("--dryrun", action="store_true", help="print what would run (slurm: the sbatch script) and exit")
+    p.add_argument("--sglang-gpus", type=int, metavar="N", help="local, GPU recipes: GPUs of this node for the SGLang "
+                   "servers (default: half; 0: colocated with the trainer on all of them)")
+    p.add_argument("--sglang-tp", type=int, metavar="N", help="local, GPU recipes: GPUs per SGLang server (default: "
+                   "the recipe's learner.tp)")
     p.add_argument("--emit-sbatch", metavar="FILE", help="write the sbatch script (and its group scripts next to "
                    "it, FILE.<group>.sh) without submitting")
     p.add_argument("--allow", action="store_true", help="launch although the allocation cannot finish one step and "
@@ -96,11 +100,22 @@ def _plan(args) -> tuple[str, RunSpec, Cluster | None]:
         _check_capacity(args, cluster, where)
     elif args.emit_sbatch:
         raise ValueError("--emit-sbatch is for --executor slurm")
-    elif layout.tp * layout.pp > 1:
+    elif layout.tp * layout.pp > 1 and not _fits_this_node(args, layout.tp * layout.pp):
         raise ValueError(f"recipe {recipe} needs TP x PP = {layout.tp * layout.pp} GPUs; run it with --executor slurm")
     spec = RunSpec(recipe=recipe, layout=layout, run_dir=run_dir, resume=bool(args.resume),
                    overrides=tuple(args.overrides))
     return executor, spec, cluster
+
+
+def _fits_this_node(args, gpus: int) -> bool:
+    """A GPU recipe (SGLang servers) whose TP x PP this node's GPUs hold: ``--executor local`` runs it here
+    (launch/gpu_node.py checks the rest)."""
+    from megatron_tir.launch.gpu_node import detect_gpus
+    from megatron_tir.launch.layout import train_config
+
+    cfg = train_config(recipe=None if args.resume else args.recipe, run_dir=args.resume, overrides=args.overrides)
+    node = detect_gpus()
+    return cfg.engine.kind == "sglang" and node is not None and gpus <= len(node.devices)
 
 
 def _check_overlap(args, cluster: Cluster, where: str) -> None:
@@ -181,14 +196,19 @@ def _slurm(args, spec: RunSpec, cluster: Cluster) -> int:
 
 
 def _local(args, spec: RunSpec) -> int:
-    from megatron_tir.launch.local import local_script, run_local
+    from megatron_tir.launch.local import gpu_node_script, local_script, run_local
     from megatron_tir.ports import free_port
 
+    try:  # a GPU recipe: SGLang servers and torchrun on this node's GPUs, checked as a cluster file is
+        gpu = gpu_node_script(spec, sglang_gpus=args.sglang_gpus, sglang_tp=args.sglang_tp)
+    except ValueError as exc:
+        print(f"tir-launch: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     if args.dryrun:
-        print(local_script(spec, sandbox_port=free_port()))
+        print(gpu or local_script(spec, sandbox_port=free_port()))
         return 0
     write_record(spec.run_dir, LaunchRecord(executor="local", recipe=spec.recipe, cluster=None))
-    result = run_local(spec)
+    result = run_local(spec, script=gpu)
     print(f"run dir: {result.run_dir}\nlogs: {result.run_dir}/logs/ (main.log, sandbox.log)"
           + (f"\nnemo-run task log: {result.task_log}" if result.task_log else ""))
     if result.exit_code != 0:

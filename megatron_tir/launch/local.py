@@ -1,4 +1,8 @@
-"""A run on this machine through nemo-run's LocalExecutor (the embedded default).
+"""A run on this machine through nemo-run's LocalExecutor (the embedded default, or one GPU node).
+
+A recipe that generates with SGLang servers (the GPU recipes) runs on this node's GPUs instead:
+:func:`gpu_node_script` (:mod:`megatron_tir.launch.gpu_node`) splits them between the servers and
+``torchrun``, with the same checks as a Slurm launch.
 
 One nemo-run task runs the node agent: the sandbox cluster (``sandbox-cluster serve`` on a
 free loopback port) as a restarted service, and the trainer (``megatron-tir train`` with
@@ -51,9 +55,42 @@ class LocalResult:
     task_log: str | None  # nemo-run's log of the task
 
 
-def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = None) -> LocalResult:
+def gpu_node_script(spec: RunSpec, *, sglang_gpus: int | None = None, sglang_tp: int | None = None,
+                    allow: bool = False) -> str | None:
+    """The one-GPU-node script of ``spec`` (:mod:`megatron_tir.launch.gpu_node`) when its recipe generates
+    with SGLang servers (``engine.kind=sglang``: the GPU recipes), after the cluster file's checks on this
+    node; None for a recipe of the in-process engine (the CPU path). ValueError (one line) when such a
+    recipe meets a machine without GPUs, or a node that cannot hold it."""
+    from megatron_tir.launch.gpu_node import check_node, detect_gpus, gpu_script, node_layout
+    from megatron_tir.launch.layout import train_config
+
+    cfg = train_config(recipe=None if spec.resume else spec.recipe, run_dir=spec.run_dir if spec.resume else None,
+                       overrides=spec.overrides)
+    if cfg.engine.kind != "sglang":
+        if sglang_gpus is not None or sglang_tp is not None:
+            raise ValueError(f"--sglang-gpus / --sglang-tp: recipe {spec.recipe} uses the in-process engine "
+                             "(engine.kind=local), no SGLang server")
+        return None
+    node = detect_gpus()
+    if node is None:
+        raise ValueError(f"recipe {spec.recipe} generates with SGLang servers on GPUs and this machine has none "
+                         "(no CUDA_VISIBLE_DEVICES, no nvidia-smi): run it on a GPU node or with --executor slurm")
+    layout = node_layout(node, tp=cfg.learner.tp, pp=cfg.learner.pp, sglang_gpus=sglang_gpus, sglang_tp=sglang_tp,
+                         sandbox_workers=cfg.sandbox.workers)
+    from megatron_tir.train.config import apply_overrides
+
+    # what the trainer will be told (megatron_tir.launch.gpu_node.gpu_script), validated here: e.g.
+    # trainer.async with colocated servers is refused before anything starts
+    cfg = apply_overrides(cfg, [f"engine.colocated={'true' if layout.colocated else 'false'}"])
+    check_node(layout, cfg, allow=allow)
+    return gpu_script(spec, layout, model_path=cfg.model)
+
+
+def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = None,
+              script: str | None = None) -> LocalResult:
     """Run ``spec`` to completion through nemo-run's LocalExecutor (experiment files under
-    ``base_dir``, default ``$NEMORUN_HOME/experiments``)."""
+    ``base_dir``, default ``$NEMORUN_HOME/experiments``); ``script``: the one-GPU-node script
+    (:func:`gpu_node_script`) instead of the CPU path's."""
     import nemo_run as run
 
     Path(spec.run_dir, "logs").mkdir(parents=True, exist_ok=True)
@@ -61,7 +98,7 @@ def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = N
     exit_file.unlink(missing_ok=True)
     env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
     executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)
-    script = run.Script(inline=local_script(spec, sandbox_port=free_port()))
+    script = run.Script(inline=script or local_script(spec, sandbox_port=free_port()))
     with run.Experiment(f"tir-{Path(spec.run_dir).name}", executor=executor, base_dir=base_dir,
                         log_level="WARN") as exp:
         exp._skip_status_at_exit = True
