@@ -176,6 +176,8 @@ def run_train_command(args: argparse.Namespace) -> int:
 
     tune_malloc()  # freed tensor memory goes back to the system (a fixed mmap threshold: megatron_tir.malloc)
     cfg, run_dir, state = prepare(args)
+    if _rank() == 0 and (note := load_note()):
+        log.warning("%s", note)
     try:
         state = run_training(cfg, run_dir, state, resume=args.resume is not None)
     except InfrastructureError:
@@ -191,6 +193,17 @@ def run_train_command(args: argparse.Namespace) -> int:
         for line in held_out_summary(run_dir / "metrics.jsonl"):
             print(line)
     return 0
+
+
+def load_note(load: float | None = None, cores: int | None = None) -> str | None:
+    """A warning when the machine is busier than its cores (1-minute load average above the core count):
+    every phase then runs slower than on an idle machine, and the README's timings do not hold."""
+    load = os.getloadavg()[0] if load is None else load
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if load <= cores:
+        return None
+    return (f"this machine is loaded (load average {load:.1f} on {cores} cores): phases take longer than on idle "
+            f"cores, the README's timings do not hold; heartbeat lines show progress in a log file")
 
 
 def held_out_summary(metrics_path: Path) -> list[str]:

@@ -100,13 +100,3 @@ def test_train_help_lists_every_recipe_and_section(capsys):
         if "." not in key:
             assert key in out.split("config sections")[1]
 
-
-def test_config_changes_name_each_changed_key_old_and_new():
-    from megatron_tir.train.cli import config_changes
-
-    before = to_dict(load_recipe("tiny-cpu"))
-    after = to_dict(apply_overrides(load_recipe("tiny-cpu"),
-                                    ["rollout.max_turns=10", "trainer.async=one_step", "data.eval_top_p=0.7"]))
-    assert config_changes(before, after) == ["rollout.max_turns 2 -> 10", "data.eval_top_p null -> 0.7",
-                                             'trainer.asynchrony.mode "off" -> "one_step"']
-    assert config_changes(before, before) == []
