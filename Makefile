@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast rehearsal bench clean
 
 $(STAMP): setup.cfg Makefile pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,9 @@ test: install
 
 test-fast: install  # the unit tier (tests/fast_tier.py: no process, process group, sandbox cluster or SmolLM2)
 	$(BIN)/python -m pytest -m unit
+
+rehearsal: install  # the cluster's shape on this CPU: torchrun x2 (PP 2), two SGLang stand-ins, a sandbox (docs/rehearsal.md)
+	$(BIN)/python tests/rehearsal/rehearse.py --out runs/rehearsal
 
 bench: install  # every benchmark README's Benchmarks section reports, in its order
 	$(BIN)/sandbox-cluster bench

@@ -140,13 +140,21 @@ def new_trainer_process_group(*, master_address: str, master_port: int, world_si
 
 def join_process_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
                        backend: str, timeout_s: float):
-    """Rank ``rank`` of such a group (rank 0 hosts the rendezvous store)."""
+    """Rank ``rank`` of such a group (rank 0 hosts the rendezvous store).
+
+    The store is built here, not with ``c10d.rendezvous("tcp://...")``: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True`` in every worker's environment) that rendezvous assumes the
+    elastic agent hosts the store and makes rank 0 a client too, so nobody would listen at
+    ``master_port`` and the servers' join would time out (torch ``distributed/rendezvous.py``
+    ``_create_c10d_store``; found by the rehearsal, docs/rehearsal.md). The store is the one the
+    rendezvous builds otherwise: a ``TCPStore`` hosted by rank 0, multi-tenant, libuv."""
+    import torch.distributed
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(tcp_init_method(master_address, master_port), rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    store = torch.distributed.TCPStore(host_name=master_address, port=master_port, world_size=world_size, is_master=rank == 0,
+                          timeout=timeout, multi_tenant=True, use_libuv=True)
+    world = world_size
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend), store, group_name=group_name,
                                            backend_options=None, timeout=timeout)
