@@ -206,8 +206,21 @@ class Cluster:
         return self.models.get(model, model)
 
 
+def colocated_problem(cluster: Cluster) -> str | None:
+    """What start-up refuses of a colocated layout: the colocated weight sync runs from the rank
+    holding the engine (rank 0) through CUDA IPC, and ``rollout.sync.sglang.check_node_local``
+    refuses every server that is not on that rank's node; ``tir-launch`` starts servers on every
+    trainer node, so more than one trainer node is refused."""
+    if not cluster.sglang.colocated or cluster.trainer.nodes == 1:
+        return None
+    return (f"colocated SGLang servers (sglang.nodes 0) on {cluster.trainer.nodes} trainer nodes: the colocated weight "
+            f"sync (CUDA IPC from rank 0) refuses servers off rank 0's node at start-up; use trainer.nodes 1, or give "
+            f"SGLang nodes of its own")
+
+
 def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "cluster file") -> None:
-    """The recipe's parallel layout against the trainer's GPUs and the SGLang servers' split."""
+    """The recipe's parallel layout against the trainer's GPUs and the SGLang servers' split, and
+    what start-up would refuse of a colocated layout (also when the planner does not know the model)."""
     gpus = cluster.node.gpus_per_node
     world = cluster.trainer.nodes * gpus
     tp, pp = layout.tp, layout.pp
@@ -219,6 +232,9 @@ def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "clust
                          "inside a node)")
     if gpus % cluster.sglang_tp:
         raise ValueError(f"{where}: sglang.tp = {cluster.sglang_tp} must divide the {gpus} GPUs of a node")
+    problem = colocated_problem(cluster)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     cpus = cluster.partitions[cluster.partition_of("sandbox")].cpus_per_node if cluster.sandbox.nodes \
         else cluster.node.cpus_per_node
     if cluster.sandbox.workers_per_node > cpus:

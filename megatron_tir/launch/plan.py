@@ -22,6 +22,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from megatron_tir.launch.cluster import colocated_problem
 from megatron_tir.launch.plan_memory import (  # noqa: F401  (re-exported: the planner's memory model)
     GIB,
     ModelShape,
@@ -196,18 +197,6 @@ def _seconds(text: str) -> float:
     return (float(days) * 86400 if days else 0.0) + h * 3600 + m * 60 + s
 
 
-def colocated_problems(cluster) -> list[str]:
-    """What start-up refuses of a colocated layout: the colocated weight sync runs from the rank
-    holding the engine (rank 0) through CUDA IPC, and ``rollout.sync.sglang.check_node_local``
-    refuses every server that is not on that rank's node; ``tir-launch`` starts servers on every
-    trainer node, so more than one trainer node is refused."""
-    if not cluster.sglang.colocated or cluster.trainer.nodes == 1:
-        return []
-    return [f"colocated SGLang servers (sglang.nodes 0) on {cluster.trainer.nodes} trainer nodes: the colocated weight "
-            f"sync (CUDA IPC from rank 0) refuses servers off rank 0's node at start-up; use trainer.nodes 1, or give "
-            f"SGLang nodes of its own"]
-
-
 def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) -> Plan:
     """The plan of ``cfg`` (a ``TrainConfig``) on ``cluster`` (a ``Cluster``); see the module docstring."""
     from megatron_tir.launch.model_facts import model_spec
@@ -249,7 +238,7 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
     elif m.kv_heads % s_tp and s_tp % m.kv_heads:
         problems.append(f"sglang.tp={s_tp} neither divides nor is a multiple of the model's {m.kv_heads} KV heads")
     colocated = cluster.sglang.colocated
-    problems += colocated_problems(cluster)
+    problems += [p for p in [colocated_problem(cluster)] if p]
     mem_fraction = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
     servers = (cluster.trainer.nodes if colocated else cluster.sglang.nodes) * cluster.servers_per_node
     server = generation = None

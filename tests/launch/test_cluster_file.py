@@ -83,6 +83,19 @@ def test_layout_contradictions(cluster_file, layout, changes, fragment):
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
+def test_colocated_on_several_trainer_nodes_is_refused_before_queueing(cluster_file, capsys):
+    """Start-up would refuse it (the colocated weight sync reaches only rank 0's node): the layout check says so,
+    also for a model whose shape the planner does not know."""
+    path = cluster_file({"sglang.nodes": 0})
+    with pytest.raises(ValueError, match="colocated SGLang servers \\(sglang.nodes 0\\) on 4 trainer nodes"):
+        check_layout(load_cluster(path), _layout(4, 1), where=str(path))
+    check_layout(load_cluster(cluster_file({"sglang.nodes": 0, "trainer.nodes": 1}, name="one.yaml")), _layout(4, 1))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--recipe", "qwen2.5-7b-simpletir", "--executor", "slurm", "--cluster", str(path), "--dryrun"])
+    assert exit_.value.code == 2
+    assert "on 4 trainer nodes: the colocated weight sync" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_cli_reports_a_bad_cluster_file_in_one_line_and_exits_2(cluster_file, capsys):
     path = cluster_file({"trainer.nodes": 3})
     with pytest.raises(SystemExit) as exit_:

@@ -267,6 +267,8 @@ def test_resume_of_a_dir_tir_launch_did_not_start(tmp_path, capsys):
 
 
 def test_colocated_sglang_runs_on_the_trainers_gpus(cluster_file, shims, tmp_path):
+    """The rendering of servers on every trainer node (tir-launch itself refuses colocated on more than one
+    trainer node before rendering: test_cluster_file.py; four nodes here show the per-node rendering)."""
     out = _render(cluster_file({"sglang.nodes": 0, "sglang.tp": 4, **ONE}), tmp_path / "r")
     assert _sbatch_flags(out.sbatch)["nodes"] == "5" and list(out.scripts) == ["sandbox", "trainer"]
     env = _addresses(out.sbatch, shims, HOSTS[:5])
@@ -286,9 +288,10 @@ def test_colocated_sglang_runs_on_the_trainers_gpus(cluster_file, shims, tmp_pat
 
 
 def test_one_step_asynchrony_on_colocated_sglang_is_refused_before_queueing(cluster_file, tmp_path, capsys):
-    path = cluster_file({"sglang.nodes": 0, "sglang.tp": 4})
+    path = cluster_file({"sglang.nodes": 0, "sglang.tp": 4, "trainer.nodes": 1})  # colocated: one trainer node
     with pytest.raises(SystemExit) as exit_:
-        main(["--recipe", RECIPE, "--executor", "slurm", "--cluster", str(path), "--out", str(tmp_path / "run"),
+        main(["--recipe", "qwen2.5-7b-simpletir", "--executor", "slurm", "--cluster", str(path), "--out",
+              str(tmp_path / "run"),
               "--set", "trainer.async=one_step", "--emit-sbatch", str(tmp_path / "job.sbatch")])
     assert exit_.value.code == 2 and not (tmp_path / "job.sbatch").exists()
     last = capsys.readouterr().err.strip().splitlines()[-1]
