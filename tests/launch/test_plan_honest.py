@@ -140,3 +140,31 @@ def test_sandbox_slots_follow_littles_law_at_the_measured_latency(example_cluste
     turn_s = a.mean_response_share * cfg.rollout.max_response_tokens / cfg.rollout.max_turns / per_seq_tps
     c = a.sandbox_call_s
     assert slow.sandbox_slots_needed == math.ceil(cfg.rollout.max_in_flight * c / (c + turn_s))
+
+
+def test_bench_cells_runs_cells_on_a_real_sandbox_cluster_and_writes_their_distribution(tmp_path):
+    """bench/bench_cells.py end to end on a real LocalCluster: a sympy cell, an error and a time-out (1 s limit),
+    each as the rollout runs it (final_answer prelude)."""
+    import subprocess
+    import sys
+
+    cells = tmp_path / "cells.jsonl"
+    cells.write_text("\n".join(json.dumps(c) for c in [
+        {"name": "solve", "kind": "sympy", "code": "import sympy as sp\nx = sp.symbols('x')\n"
+                                                   "final_answer(sum(sp.solve(x**2 - 5*x + 6, x)))"},
+        {"name": "error", "kind": "error", "code": "print(1 / 0)"},
+        {"name": "spin", "kind": "timeout", "code": "while True:\n    pass"}]) + "\n")
+    out = tmp_path / "latency.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_cells.py"), "--cells", str(cells), "--repeats",
+                           "2", "--workers", "1", "--timeout", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert {n: set(c["statuses"]) for n, c in record["cells"].items()} == {"solve": {"OK"}, "error": {"ERROR"},
+                                                                           "spin": {"TIMEOUT"}}
+    assert all(0.95 <= t < 5 for t in record["cells"]["spin"]["latencies_s"])  # the 1 s limit, and the client's wait
+    assert max(record["cells"]["solve"]["latencies_s"]) < 5 and record["overall"]["calls"] == 6
+    every = sorted(t for c in record["cells"].values() for t in c["latencies_s"])
+    assert record["overall"]["mean_s"] == pytest.approx(sum(every) / 6, abs=1e-3)
+    assert record["overall"]["max_s"] == pytest.approx(every[-1], abs=1e-3)
+    assert "all 6 calls: mean" in done.stdout
