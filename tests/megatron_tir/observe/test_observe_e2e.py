@@ -41,7 +41,8 @@ def test_step_line_on_the_console_and_in_the_log_file(run):
     run_dir, stderr = run
     log_text = (run_dir / "train.log").read_text()
     for text in (stderr, log_text):
-        line = next(x for x in text.splitlines() if "megatron_tir.steps" in x)
+        step0, line = [x for x in text.splitlines() if "megatron_tir.steps" in x][:2]
+        assert "step 0 | held-out 0.000 | " in step0  # the evaluation before training, as soon as it ends
         assert "step 1/1 | reward 0.000 | held-out" in line and "| rows " in line and " s (rollout " in line
         assert "\x1b" not in text and "\r" not in text  # no colours, no progress bars
     assert "Params for bucket" not in stderr and "OptimizerConfig(" not in stderr  # megatron-core dumps
