@@ -192,7 +192,14 @@ def sandbox_allocation_lines(cluster: Cluster, spec: RunSpec) -> list[str]:
         f'echo "$TIR_SANDBOX_JOB" > "{logs}/{SANDBOX_JOB_ID_FILE}"',
         """trap 'scancel "$TIR_SANDBOX_JOB" 2>/dev/null' EXIT""",
         "tir_waited=0",
-        'until [ "$(squeue -h -j "$TIR_SANDBOX_JOB" -o %T 2>/dev/null)" = RUNNING ]; do',
+        "while :; do",
+        '    tir_state=$(squeue -h -j "$TIR_SANDBOX_JOB" -o %T 2>/dev/null)',
+        '    case "$tir_state" in',
+        "        RUNNING) break ;;",
+        '        ""|PENDING|CONFIGURING|REQUEUED|RESIZING) ;;  # not yet (or squeue did not answer)',
+        f'        *) echo "tir-launch: the sandbox allocation (job $TIR_SANDBOX_JOB, partition {part}) is $tir_state" >&2; '
+        "exit 1 ;;",
+        "    esac",
         f'    if [ "$tir_waited" -ge {wait} ]; then',
         f'        echo "tir-launch: the sandbox allocation (job $TIR_SANDBOX_JOB, partition {part}) did not start '
         f'within {wait} s (sandbox.start_timeout_s)" >&2; exit 1',

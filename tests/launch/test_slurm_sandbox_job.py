@@ -135,6 +135,14 @@ def test_a_sandbox_allocation_that_does_not_start_fails_the_job_in_one_line(clus
     assert (shims[1] / "scancel.calls").read_text().split() == ["777"]
 
 
+def test_a_sandbox_allocation_that_fails_to_start_fails_the_job_at_once(example_cluster, tmp_path, shims):
+    out = _render(example_cluster, tmp_path / "runs" / "r")
+    result, _ = _exports(out.sbatch, shims, STATE_777="FAILED", STATE="PENDING")
+    assert result.returncode == 1
+    assert "tir-launch: the sandbox allocation (job 777, partition cpu) is FAILED" in result.stderr
+    assert (shims[1] / "squeue.calls").read_text().count("squeue 777 %T") == 1
+
+
 def test_the_second_job_runs_the_sandbox_group_and_ends_when_the_main_job_is_gone(example_cluster, tmp_path, shims):
     run_dir = tmp_path / "runs" / "q32"
     out = _render(example_cluster, run_dir)
