@@ -2,9 +2,9 @@
 
     tir-ckpt hf-to-megatron --hf DIR|smollm2 --out DIR [--tp N --pp M]
     tir-ckpt megatron-to-hf --ckpt DIR|RUN_DIR --out DIR
-    tir-ckpt reshard --ckpt DIR --out DIR --tp N --pp M
-    tir-ckpt verify --hf DIR|smollm2 --ckpt DIR [--tp N --pp M] [--atol 1e-3] [--dtype float32]
-    tir-ckpt keymap [--family llama|qwen2]
+    tir-ckpt reshard --ckpt DIR --out DIR --tp N --pp M [--ep E]
+    tir-ckpt verify --hf DIR|smollm2 --ckpt DIR [--tp N --pp M --ep E] [--atol 1e-3] [--dtype float32]
+    tir-ckpt keymap [--family llama|qwen2|qwen3|qwen3_moe]
 
 One global ``--log-level {debug,info,warning,error}`` (default info) before the subcommand.
 
@@ -61,19 +61,20 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from checkpoints_tools.reshard import reshard
 
-    out = reshard(args.ckpt, args.out, tp=args.tp, pp=args.pp)
-    print(f"wrote Megatron checkpoint {out} with layout tp={args.tp} pp={args.pp}")
+    out = reshard(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
+    print(f"wrote Megatron checkpoint {out} with layout tp={args.tp} pp={args.pp} ep={args.ep}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from checkpoints_tools.verify import DEFAULT_TEXTS, VerifyConfig, verify
 
-    cfg = VerifyConfig(tp=args.tp, pp=args.pp, atol=args.atol, min_argmax_agreement=args.min_argmax_agreement,
+    cfg = VerifyConfig(tp=args.tp, pp=args.pp, ep=args.ep, atol=args.atol, min_argmax_agreement=args.min_argmax_agreement,
                        max_tokens=args.max_tokens, texts=tuple(args.text) if args.text else DEFAULT_TEXTS,
                        dtype=args.dtype)
     result = verify(args.hf, args.ckpt, cfg)
-    print(f"verify {args.ckpt} against {args.hf} at tp={args.tp} pp={args.pp}: {result.line(cfg)}")
+    layout = f"tp={args.tp} pp={args.pp}" + (f" ep={args.ep}" if args.ep > 1 else "")
+    print(f"verify {args.ckpt} against {args.hf} at {layout}: {result.line(cfg)}")
     return 0 if result.ok else EXIT_VERIFY_FAILED
 
 
@@ -108,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--out", required=True, type=Path)
     rs.add_argument("--tp", type=int, required=True)
     rs.add_argument("--pp", type=int, required=True)
+    rs.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     rs.set_defaults(func=_reshard)
 
     vf = sub.add_parser("verify", help="logit parity: transformers vs megatron-core on the checkpoint")
@@ -115,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     vf.add_argument("--ckpt", required=True, type=Path)
     vf.add_argument("--tp", type=int, default=1)
     vf.add_argument("--pp", type=int, default=1)
+    vf.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     vf.add_argument("--atol", type=float, default=1e-3, help="max allowed |logit diff|")
     vf.add_argument("--min-argmax-agreement", type=float, default=0.99)
     vf.add_argument("--max-tokens", type=int, default=48)
@@ -124,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     vf.set_defaults(func=_verify)
 
     km = sub.add_parser("keymap", help="print the HF <-> Megatron key map as a markdown table")
-    km.add_argument("--family", choices=("llama", "qwen2"), default=None)
+    km.add_argument("--family", choices=("llama", "qwen2", "qwen3", "qwen3_moe"), default=None)
     km.set_defaults(func=_keymap)
     return p
 

@@ -2,8 +2,9 @@
 
 The same token ids go through both models; the report is the max |logit difference|
 over every position and vocabulary entry and the share of positions whose argmax
-agrees. For tp*pp > 1 the Megatron side runs on ``tp*pp`` spawned gloo ranks (the last
-pipeline stage's TP rank 0 writes the logits, gathered over TP). Both sides compute in
+agrees. For tp*pp*ep > 1 the Megatron side runs on ``tp*pp*ep`` spawned gloo ranks (an MoE
+model's experts split over ``ep`` of them, each expert ``tp``-way; the last pipeline stage's
+first TP rank of data-parallel replica 0 writes the logits, gathered over TP). Both sides compute in
 float32 by default.
 """
 
@@ -37,6 +38,7 @@ DEFAULT_TEXTS = (
 class VerifyConfig:
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert-parallel size (MoE): world = tp * pp * ep
     atol: float = 1e-3
     min_argmax_agreement: float = 0.99
     max_tokens: int = 48
@@ -44,8 +46,8 @@ class VerifyConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise ValueError(f"tp, pp and ep must be >= 1, got tp={self.tp} pp={self.pp} ep={self.ep}")
         if self.atol <= 0:
             raise ValueError("atol must be positive")
         if not 0 <= self.min_argmax_agreement <= 1:
@@ -92,7 +94,7 @@ def hf_logits(hf_dir: Path, ids_BS: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def _megatron_rank(rank: int, world: int, ckpt: str, tp: int, pp: int, dtype: str, ids_path: str,
-                   out_path: str) -> None:
+                   out_path: str, ep: int = 1) -> None:
     from megatron.core import parallel_state
 
     from megatron_tir.policy.build import build_gpt_model
@@ -100,19 +102,20 @@ def _megatron_rank(rank: int, world: int, ckpt: str, tp: int, pp: int, dtype: st
     from megatron_tir.policy.forward import forward_logits
 
     spec = dataclasses.replace(read_meta(Path(ckpt)).spec, dtype=dtype)
-    init_parallel(tp, pp)
+    init_parallel(tp, pp, ep=ep)
     model = build_gpt_model(spec, parallel_output=False, perform_initialization=False)
     load_model(model, Path(ckpt))
     logits = forward_logits(model, torch.load(ids_path))
-    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+    if (logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
         torch.save(logits, out_path)
 
 
-def megatron_logits(ckpt: Path, ids_BS: torch.Tensor, *, tp: int, pp: int, dtype: str) -> torch.Tensor:
+def megatron_logits(ckpt: Path, ids_BS: torch.Tensor, *, tp: int, pp: int, dtype: str, ep: int = 1) -> torch.Tensor:
     with tempfile.TemporaryDirectory(prefix="tir-verify-") as tmp:
         ids_path, out_path = str(Path(tmp) / "ids.pt"), str(Path(tmp) / "logits.pt")
         torch.save(ids_BS, ids_path)
-        if tp * pp == 1:
+        if tp * pp * ep == 1:
             from megatron_tir.policy.parallel import destroy_parallel
 
             try:
@@ -120,7 +123,7 @@ def megatron_logits(ckpt: Path, ids_BS: torch.Tensor, *, tp: int, pp: int, dtype
             finally:
                 destroy_parallel()
         else:
-            run_ranks(_megatron_rank, tp * pp, str(ckpt), tp, pp, dtype, ids_path, out_path)
+            run_ranks(_megatron_rank, tp * pp * ep, str(ckpt), tp, pp, dtype, ids_path, out_path, ep)
         return torch.load(out_path)
 
 
@@ -139,9 +142,9 @@ def verify(hf: str | Path, ckpt: Path, cfg: VerifyConfig) -> VerifyResult:
     spec, _ = spec_from_hf_dir(hf_dir)
     meta = read_meta(ckpt)
     check_same_model(meta, spec, str(hf_dir))
-    spec.check_layout(cfg.tp, cfg.pp)
+    spec.check_layout(cfg.tp, cfg.pp, cfg.ep)
     ids = sample_ids(hf_dir, cfg)
     dtype = getattr(torch, cfg.dtype)
     ref = hf_logits(hf_dir, ids, dtype)
-    got = megatron_logits(ckpt, ids, tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype)
+    got = megatron_logits(ckpt, ids, tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, ep=cfg.ep)
     return compare(ref, got, cfg)

@@ -20,6 +20,15 @@ What is redirected (and why):
   ``cuda.current_device()`` is ``"cpu"``, whose ``cuda.synchronize()`` is a no-op and whose
   ``zeros/ones/empty/full/tensor`` map ``device="cuda"`` to the CPU; every other
   attribute is the real ``torch``.
+* MoE (megatron-core's ``MoELayer`` with the local spec's ``SequentialMLP`` experts): the
+  router's gating moves its weight to the current CUDA device on every forward
+  (``transformer.moe.router``: through the ``torch`` proxy) and multiplies through
+  ``te_general_gemm``, a name left undefined when Transformer Engine is absent
+  (``router_gating_linear``: the same product in torch, as megatron-core's non-TE branch
+  computes it); the all-to-all token dispatcher (which the learner uses at PP > 1, where the
+  all-gather one refuses variable sequence lengths) creates and waits on a CUDA stream for its
+  device-to-host copies (the proxy's ``cuda.Stream`` / ``current_stream`` / ``stream`` are one
+  CPU stand-in whose waits and events do nothing: on CPU the copies are already done).
 * ``get_default_causal_mask`` (``device="cuda"`` hard-coded): CPU version, cached per
   length like the original.
 * The CUDA RNG tracker (dropout / weight init under ``fork()``): a tracker with the same
@@ -81,6 +90,8 @@ _CUDA_DEVICE_MODULES = (
     ("megatron.core.optimizer.optimizer", "device='cuda'"),
     ("megatron.core.optimizer.clip_grads", "device='cuda'"),
     ("megatron.core.optimizer.distrib_optimizer", "torch.cuda.current_device()"),
+    ("megatron.core.transformer.moe.router", "torch.cuda.current_device()"),
+    ("megatron.core.transformer.moe.token_dispatcher", "torch.cuda.Stream()"),
 )
 
 
@@ -117,11 +128,31 @@ PATCHES: tuple[Patch, ...] = (
           attribute="DistributedOptimizer._build_model_and_main_param_groups",
           marker="model_param.type() == 'torch.cuda.FloatTensor'",
           why="distributed optimizer sorts params by CUDA type names"),
+    Patch(module="megatron.core.transformer.moe.router", attribute="router_gating_linear",
+          marker="RouterGatingLinearFunction.apply",
+          why="the MoE router's GEMM names te_general_gemm, undefined without Transformer Engine"),
 )
 
 
+class _CpuStream:
+    """The one "stream" of the CPU: work is done when issued, so waits and events are no-ops."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as seen by patched modules: the current device is the CPU."""
+    """``torch.cuda`` as seen by patched modules: the current device is the CPU, and its stream
+    the one CPU stand-in."""
 
     def __init__(self) -> None:
         super().__init__("torch.cuda[cpu-compat]")
@@ -133,6 +164,18 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device=None) -> None:
         return None
+
+    @staticmethod
+    def Stream(*args, **kwargs) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(device=None) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -233,6 +276,13 @@ def _cpu_set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracke
     random.get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
 
 
+def _torch_router_gating_linear(inp, weight, bias, router_dtype):
+    """megatron-core's ``RouterGatingLinearFunction`` without TE: ``inp @ weight.T (+ bias)`` in
+    ``router_dtype`` (autograd gives the same gradients its hand-written backward computes)."""
+    return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype),
+                                      None if bias is None else bias.to(router_dtype))
+
+
 def _cuda_type_names(fn):
     """``fn`` during which ``Tensor.type()`` names CPU tensors as their CUDA twins
     (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``); conversions (``type(dtype)``) unchanged."""
@@ -287,6 +337,8 @@ def _replacement(patch: Patch, current):
         return _cuda_type_names(current)
     if patch.attribute.endswith("_build_model_and_main_param_groups"):  # a classmethod
         return classmethod(_cuda_type_names(current.__func__))
+    if patch.attribute == "router_gating_linear":
+        return _torch_router_gating_linear
     raise AssertionError(patch)
 
 

@@ -25,6 +25,17 @@ Transforms (all are pure re-arrangements: the round trip is bit-exact):
 * ``gate_up``: HF gate ``[f, h]`` and up ``[f, h]`` -> ``linear_fc1`` ``[2f, h]`` = cat(gate, up).
   (megatron-core shards the two halves separately, so the layout on disk is TP-agnostic.)
 
+MoE (Qwen3-MoE): each expert's tensors are rows of their own (``{e}``: the global expert
+index), HF's per-expert file names (``mlp.experts.{e}.gate_proj.weight`` ...; transformers 5
+fuses them in memory but reads and writes these names) <-> megatron-core's ``SequentialMLP``
+names (``mlp.experts.local_experts.{e}.linear_fc1.weight``); the grouped-GEMM experts
+(``TEGroupedMLP``) name the same tensors ``mlp.experts.linear_fc1.weight{e}`` (``local_name``
+maps them). Both store them under one sharded key per kind,
+``decoder.layers.mlp.experts.experts.linear_fc1.weight``, stacked on (layer, expert)
+(``stored_key``); a stage's state dict holds its local experts (index from 0 on each
+expert-parallel rank: ``expert_offset``). An MoE layer's ``pre_mlp_layernorm`` keeps its name
+in both specs (``moe_local_spec_keys_map``).
+
 Rotary embeddings need no permutation: HF Llama/Qwen2 store q/k for the non-interleaved
 ``rotate_half`` convention, which is megatron-core's ``rotary_interleaved=False``.
 """
@@ -32,6 +43,8 @@ Rotary embeddings need no permutation: HF Llama/Qwen2 store q/k for the non-inte
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import re
 
 import torch
 
@@ -60,6 +73,10 @@ def moe_local_spec_keys_map(local_map: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in local_map.items() if k != "pre_mlp_layernorm."}
 
 
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
 def _map_prefix(rest: str, mapping: dict[str, str]) -> str:
     for old, new in mapping.items():  # as megatron-core's apply_prefix_mapping: the first prefix that matches
         if rest.startswith(old):
@@ -74,35 +91,68 @@ def _split_layer(name: str) -> tuple[str, str] | None:
     return i, rest
 
 
-def sharded_name(name: str) -> str:
-    """A local-spec (or TE) state-dict name (global layer index) -> its sharded-state-dict name
-    (megatron-core's key with the layer index kept in place: the TE spec's state-dict name)."""
+def sharded_name(name: str, *, moe: bool = False) -> str:
+    """A local-spec (or TE) state-dict name (global layer and expert index) -> its sharded-state-dict
+    name (megatron-core's key with the layer index kept in place: the TE spec's state-dict name; an
+    expert's: the grouped-GEMM name ``mlp.experts.linear_fc1.weight{e}``). ``moe``: an MoE model's
+    layer (its ``pre_mlp_layernorm`` keeps its name)."""
     parts = _split_layer(name)
     if parts is None:
         return name
-    return f"{_LAYERS}{parts[0]}.{_map_prefix(_map_prefix(parts[1], TE_SPEC_KEYS_MAP), LOCAL_SPEC_KEYS_MAP)}"
+    expert = _SEQUENTIAL_EXPERT.match(parts[1])
+    if expert:
+        return f"{_LAYERS}{parts[0]}.mlp.experts.{expert[2]}.{expert[3]}{expert[1]}"
+    local_map = moe_local_spec_keys_map(LOCAL_SPEC_KEYS_MAP) if moe else LOCAL_SPEC_KEYS_MAP
+    return f"{_LAYERS}{parts[0]}.{_map_prefix(_map_prefix(parts[1], TE_SPEC_KEYS_MAP), local_map)}"
 
 
 _TO_LOCAL = {new: old for old, new in LOCAL_SPEC_KEYS_MAP.items()}
 
 
 def local_name(name: str) -> str:
-    """A state-dict name of the local spec, the TE spec (with or without its op fuser) or a
-    sharded name with its layer index -> the local spec's name (``KeyRule.megatron``)."""
+    """A state-dict name of the local spec, the TE spec (with or without its op fuser; grouped-GEMM
+    experts) or a sharded name with its layer index -> the local spec's name (``KeyRule.megatron``)."""
     parts = _split_layer(name)
     if parts is None:
         return name
+    grouped = _GROUPED_EXPERT.match(parts[1])
+    if grouped:
+        return f"{_LAYERS}{parts[0]}.mlp.experts.local_experts.{grouped[3]}.{grouped[1]}.{grouped[2]}"
     return f"{_LAYERS}{parts[0]}.{_map_prefix(_map_prefix(parts[1], TE_SPEC_KEYS_MAP), _TO_LOCAL)}"
 
 
-def sharded_key(name: str) -> tuple[str, int | None]:
-    """A state-dict name of either spec -> (megatron-core's sharded key, layer index or None):
-    in a checkpoint a layer's tensor is the slice ``[layer]`` of the stacked tensor ``key``."""
-    full = sharded_name(local_name(name))
-    parts = _split_layer(full)
+def stored_key(name: str, *, moe: bool = False) -> tuple[str, tuple[int, ...]]:
+    """A state-dict name of either spec (global indices) -> (megatron-core's sharded key, leading
+    indices): in a checkpoint a layer's tensor is the slice ``[layer]`` of the stacked tensor
+    ``key``, an expert's the slice ``[layer, expert]``; () for the embedding, final norm and head."""
+    local = local_name(name)
+    parts = _split_layer(local)
     if parts is None:
-        return full, None
-    return f"{_LAYERS}{parts[1]}", int(parts[0])
+        return local, ()
+    expert = _SEQUENTIAL_EXPERT.match(parts[1])
+    if expert:
+        return f"{_LAYERS}mlp.experts.experts.{expert[2]}.{expert[3]}", (int(parts[0]), int(expert[1]))
+    full = _split_layer(sharded_name(local, moe=moe))
+    return f"{_LAYERS}{full[1]}", (int(full[0]),)
+
+
+def sharded_key(name: str, *, moe: bool = False) -> tuple[str, int | None]:
+    """A state-dict name of either spec, not an expert's -> (megatron-core's sharded key, layer
+    index or None): ``stored_key`` with its one leading index."""
+    key, lead = stored_key(name, moe=moe)
+    if len(lead) > 1:
+        raise ValueError(f"{name} is an expert's tensor: use stored_key (layer and expert index)")
+    return key, (lead[0] if lead else None)
+
+
+def expert_offset(name: str, offset: int) -> str:
+    """A local-spec name with a stage's local expert index -> the same with ``offset`` added (the
+    global index); other names unchanged."""
+    parts = _split_layer(name)
+    expert = _SEQUENTIAL_EXPERT.match(parts[1]) if parts else None
+    if not expert:
+        return name
+    return f"{_LAYERS}{parts[0]}.mlp.experts.local_experts.{int(expert[1]) + offset}.{expert[2]}.{expert[3]}"
 
 
 def is_extra_state(name: str) -> bool:
@@ -117,6 +167,7 @@ class KeyRule:
     megatron: str
     transform: str = "identity"
     per_layer: bool = False
+    per_expert: bool = False
     untied_only: bool = False
 
     def __post_init__(self) -> None:
@@ -126,11 +177,19 @@ class KeyRule:
             raise ValueError(f"transform {self.transform!r} does not fit {len(self.hf)} HF tensors")
         if self.per_layer != ("{i}" in self.megatron):
             raise ValueError(f"per_layer rule must use {{i}} in names: {self.megatron}")
+        if self.per_expert != ("{e}" in self.megatron) or (self.per_expert and not self.per_layer):
+            raise ValueError(f"per_expert rule must be per layer and use {{e}} in names: {self.megatron}")
 
 
 def _layer(hf: tuple[str, ...], megatron: str, transform: str = "identity") -> KeyRule:
     return KeyRule(hf=tuple(f"model.layers.{{i}}.{h}" for h in hf), megatron=f"decoder.layers.{{i}}.{megatron}",
                    transform=transform, per_layer=True)
+
+
+def _expert(hf: tuple[str, ...], megatron: str, transform: str = "identity") -> KeyRule:
+    return KeyRule(hf=tuple(f"model.layers.{{i}}.mlp.experts.{{e}}.{h}" for h in hf),
+                   megatron=f"decoder.layers.{{i}}.mlp.experts.local_experts.{{e}}.{megatron}",
+                   transform=transform, per_layer=True, per_expert=True)
 
 
 _LLAMA_RULES: tuple[KeyRule, ...] = (
@@ -161,7 +220,18 @@ _QK_NORM_RULES: tuple[KeyRule, ...] = (
 )
 _QWEN3_RULES: tuple[KeyRule, ...] = (*_LLAMA_RULES[:3], *_QK_NORM_RULES, *_LLAMA_RULES[3:])
 
-KEY_MAPS: dict[str, tuple[KeyRule, ...]] = {"llama": _LLAMA_RULES, "qwen2": _QWEN2_RULES, "qwen3": _QWEN3_RULES}
+# Qwen3-MoE: Qwen3's attention; the MLP is a router (HF ``mlp.gate``) and per-expert SwiGLU MLPs
+_QWEN3_MOE_RULES: tuple[KeyRule, ...] = (
+    *_QWEN3_RULES[:6],  # embedding, input norm, qkv, q/k norms, o_proj
+    _layer(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight"),
+    _layer(("mlp.gate.weight",), "mlp.router.weight"),
+    _expert(("gate_proj.weight", "up_proj.weight"), "linear_fc1.weight", "gate_up"),
+    _expert(("down_proj.weight",), "linear_fc2.weight"),
+    *_LLAMA_RULES[-2:],  # final norm, lm_head
+)
+
+KEY_MAPS: dict[str, tuple[KeyRule, ...]] = {"llama": _LLAMA_RULES, "qwen2": _QWEN2_RULES, "qwen3": _QWEN3_RULES,
+                                            "qwen3_moe": _QWEN3_MOE_RULES}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -173,18 +243,28 @@ class TensorPlan:
     transform: str
     hf_shapes: tuple[tuple[int, ...], ...]
     megatron_shape: tuple[int, ...]
+    moe: bool = False  # a tensor of an MoE model
 
     @property
     def sharded(self) -> str:
         """The sharded-state-dict name (layer index in place) = the TE spec's state-dict name."""
-        return sharded_name(self.megatron)
+        return sharded_name(self.megatron, moe=self.moe)
+
+    @property
+    def stored(self) -> tuple[str, tuple[int, ...]]:
+        """(megatron-core's sharded key, leading indices): where a checkpoint stores this tensor."""
+        return stored_key(self.megatron, moe=self.moe)
 
 
 def _hf_shapes(rule: KeyRule, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
     h, d, f, v = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.vocab_size
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    if rule.per_expert:
+        f = spec.moe_ffn_hidden_size
     leaf = rule.megatron.rsplit(".", 2)[-2:]
     match ".".join(leaf):
+        case "router.weight":
+            return ((spec.num_experts, h),)
         case "word_embeddings.weight" | "output_layer.weight":
             return ((v, h),)
         case "linear_qkv.weight":
@@ -211,13 +291,16 @@ def plan(spec: ModelSpec) -> list[TensorPlan]:
         if rule.untied_only and spec.tie_word_embeddings:
             continue
         layers = range(spec.num_layers) if rule.per_layer else [None]
+        experts = range(spec.num_experts) if rule.per_expert else [None]
+        shapes = _hf_shapes(rule, spec)
+        mshape = (sum(s[0] for s in shapes), *shapes[0][1:])
         for i in layers:
-            def fmt(s: str, i=i) -> str:
-                return s.format(i=i) if i is not None else s
-            shapes = _hf_shapes(rule, spec)
-            mshape = (sum(s[0] for s in shapes), *shapes[0][1:])
-            out.append(TensorPlan(megatron=fmt(rule.megatron), hf=tuple(fmt(n) for n in rule.hf),
-                                  transform=rule.transform, hf_shapes=shapes, megatron_shape=mshape))
+            for e in experts:
+                def fmt(s: str, i=i, e=e) -> str:
+                    return s.format(i=i, e=e) if i is not None else s
+                out.append(TensorPlan(megatron=fmt(rule.megatron), hf=tuple(fmt(n) for n in rule.hf),
+                                      transform=rule.transform, hf_shapes=shapes, megatron_shape=mshape,
+                                      moe=spec.is_moe))
     # order by layer so that conversion streams one layer at a time
     return sorted(out, key=_order_key)
 
@@ -280,6 +363,6 @@ def table(family: str) -> str:
     rows = ["| HF tensor(s) | Megatron (GPTModel state dict) | transform |", "| --- | --- | --- |"]
     for r in KEY_MAPS[family]:
         hf = "<br>".join(f"`{n}`" for n in r.hf)
-        note = " (untied only)" if r.untied_only else ""
+        note = " (untied only)" if r.untied_only else (" (each expert `{e}`)" if r.per_expert else "")
         rows.append(f"| {hf} | `{r.megatron}`{note} | {r.transform} |")
     return "\n".join(rows)

@@ -31,8 +31,10 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
-                  timeout_s: float = 600.0) -> None:
-    """torch.distributed + megatron model-parallel groups for ``tp`` x ``pp`` (x data parallel).
+                  timeout_s: float = 600.0, ep: int = 1, etp: int | None = None) -> None:
+    """torch.distributed + megatron model-parallel groups for ``tp`` x ``pp`` (x data parallel);
+    MoE experts over ``ep`` expert-parallel ranks, each expert split ``etp``-way (megatron-core's
+    expert tensor parallelism; None: ``tp``), carved out of the tp x dp ranks of a stage.
 
     Uses the usual env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); without it, a
     single-process group on a free local port. Idempotent for the same sizes; ValueError
@@ -58,6 +60,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
+    etp = tp if etp is None else etp
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"ep*etp = {ep * etp} does not divide the {world // pp} ranks of a pipeline stage")
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size())

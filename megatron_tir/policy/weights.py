@@ -41,13 +41,13 @@ T = TypeVar("T")
 _LAYERS = "decoder.layers."
 
 
-def _global_name(local: str, layer_offset: int, spec: ModelSpec) -> str:
-    """A stage's state-dict name (local layer index; local or TE layer spec) -> the key map's
-    name (global layer index, local spec's names); a tied output layer (on the last stage) is
-    the embedding."""
+def _global_name(local: str, layer_offset: int, spec: ModelSpec, expert_offset: int = 0) -> str:
+    """A stage's state-dict name (local layer and expert index; local or TE layer spec) -> the key
+    map's name (global layer and expert index, local spec's names); a tied output layer (on the
+    last stage) is the embedding."""
     if local.startswith(_LAYERS):
         i, rest = local.removeprefix(_LAYERS).split(".", 1)
-        return keymap.local_name(f"{_LAYERS}{int(i) + layer_offset}.{rest}")
+        return keymap.expert_offset(keymap.local_name(f"{_LAYERS}{int(i) + layer_offset}.{rest}"), expert_offset)
     if local == "output_layer.weight" and spec.tie_word_embeddings:
         return "embedding.word_embeddings.weight"
     return local
@@ -58,6 +58,16 @@ def _layer_offset(model) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
+def _expert_offset(spec: ModelSpec) -> int:
+    """The global index of this rank's first expert (its expert-parallel rank's share)."""
+    if not spec.is_moe:
+        return 0
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (spec.num_experts // ep)
+
+
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ...] = ()) -> None:
     """Copy this rank's slices of the HF weights in ``hf_dir`` into ``model`` (a GPTModel stage);
@@ -66,7 +76,7 @@ def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ..
 
     plans = {p.megatron: p for p in keymap.plan(spec)}
     params = model.state_dict(keep_vars=True)
-    layer_offset = _layer_offset(model)
+    layer_offset, expert_offset = _layer_offset(model), _expert_offset(spec)
     reader = HFReader(Path(hf_dir))
     cached: tuple[str, torch.Tensor] | None = None
     try:
@@ -75,7 +85,7 @@ def load_hf_weights(model, hf_dir: Path, spec: ModelSpec, *, skip: tuple[str, ..
                 continue
             leaves = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
             parts = []
-            mname = _global_name(name.removeprefix(MODEL_PREFIX), layer_offset, spec)
+            mname = _global_name(name.removeprefix(MODEL_PREFIX), layer_offset, spec, expert_offset)
             for leaf in leaves:
                 if cached is None or cached[0] != mname:
                     if mname not in plans:
@@ -151,8 +161,8 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def _local_names(model, spec: ModelSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The stage's parameters, and the key map's name -> the stage's own name (either layer spec)."""
     params = dict(model.named_parameters())
-    layer_offset = _layer_offset(model)
-    return params, {_global_name(n, layer_offset, spec): n for n in params
+    layer_offset, expert_offset = _layer_offset(model), _expert_offset(spec)
+    return params, {_global_name(n, layer_offset, spec, expert_offset): n for n in params
                     if n != "output_layer.weight" or not spec.tie_word_embeddings}
 
 

@@ -77,3 +77,26 @@ def test_tiny_qwen3_tp1(tied, make_tiny_hf, convert_once):
 def test_tiny_qwen3_pp2(make_tiny_hf, convert_once):
     hf_dir = make_tiny_hf("qwen3", tie_word_embeddings=True)
     _check(hf_dir, convert_once(hf_dir), 1, 2)
+
+
+def test_tiny_qwen3_moe_tp1(make_tiny_hf, convert_once):
+    # 8 experts, top-2 renormalised (norm_topk_prob): megatron-core's top-k-then-softmax router
+    hf_dir = make_tiny_hf("qwen3_moe", tie_word_embeddings=False)
+    _check(hf_dir, convert_once(hf_dir), 1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)], ids=["tp2", "pp2", "ep2", "tp2ep2"])
+def test_tiny_qwen3_moe_layouts(tp, pp, ep, make_tiny_hf, convert_once):
+    hf_dir = make_tiny_hf("qwen3_moe", tie_word_embeddings=False)
+    cfg = VerifyConfig(tp=tp, pp=pp, ep=ep, atol=ATOL)
+    result = verify(hf_dir, convert_once(hf_dir), cfg)
+    print(f"qwen3_moe tp={tp} pp={pp} ep={ep}: {result.line(cfg)}")
+    assert result.ok and result.max_abs_diff < ATOL and result.argmax_agreement >= 0.99
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_moe_unnormalised_router(make_tiny_hf, convert_once):
+    # norm_topk_prob=False: the softmax over all experts, then top-k (megatron-core's pre-softmax router)
+    hf_dir = make_tiny_hf("qwen3_moe", tie_word_embeddings=True, norm_topk_prob=False)
+    _check(hf_dir, convert_once(hf_dir), 1, 1)

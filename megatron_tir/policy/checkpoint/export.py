@@ -1,7 +1,7 @@
 """A policy checkpoint -> an HF directory, read by megatron-core's own sharded keys, no model built.
 
 Each tensor of the key map (``keymap.plan``) is stored in the torch_dist checkpoint under
-the sharded key megatron-core gives it (``keymap.sharded_key``: the same for the local and
+the sharded key megatron-core gives it (``TensorPlan.stored``: the same for the local and
 the Transformer Engine layer spec; layers stacked on a leading axis, a SwiGLU ``linear_fc1``
 as its gate and up halves of one global tensor); each is read alone from the files
 (``dist_reader``), straight to bytes where one stored chunk is exactly an HF tensor (a TP=1
@@ -43,9 +43,8 @@ class ExportStats:
 def _boxes(p: keymap.TensorPlan, spec: ModelSpec) -> tuple[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
     """(stored key, [(offsets, sizes)]): the whole tensor, or a SwiGLU ``linear_fc1``'s two halves
     (how megatron-core stores it), each a box of the stored (stacked) global tensor."""
-    key, layer = keymap.sharded_key(p.megatron)
-    lead = () if layer is None else (layer,)
-    ones = () if layer is None else (1,)
+    key, lead = p.stored  # leading indices: (layer,), (layer, expert) or ()
+    ones = (1,) * len(lead)
     zeros = (0,) * (len(p.megatron_shape) - 1)
     if p.transform == "gate_up":
         f = p.hf_shapes[0][0]
@@ -54,9 +53,9 @@ def _boxes(p: keymap.TensorPlan, spec: ModelSpec) -> tuple[str, list[tuple[tuple
     return MODEL_PREFIX + key, [((*lead, 0, *zeros), (*ones, *p.megatron_shape))]
 
 
-def _check_stored(reader: RegionReader, key: str, p: keymap.TensorPlan, layered: bool, spec: ModelSpec) -> None:
+def _check_stored(reader: RegionReader, key: str, p: keymap.TensorPlan, spec: ModelSpec) -> None:
     size = tuple(reader.tensor_meta(key).size)
-    want = ((spec.num_layers,) if layered else ()) + tuple(p.megatron_shape)
+    want = (spec.num_layers, spec.num_experts)[:len(p.stored[1])] + tuple(p.megatron_shape)
     if size != want:
         raise ValueError(f"{key} has global shape {list(size)}, the model implies {list(want)}")
 
@@ -65,7 +64,7 @@ def read_hf_tensors(reader: RegionReader, p: keymap.TensorPlan, spec: ModelSpec)
     """The HF tensors of one plan (in ``p.hf`` order), read from the checkpoint. A SwiGLU
     ``linear_fc1``'s halves are the gate and up tensors directly (no concat + split)."""
     key, boxes = _boxes(p, spec)
-    _check_stored(reader, key, p, keymap.sharded_key(p.megatron)[1] is not None, spec)
+    _check_stored(reader, key, p, spec)
     parts = [reader.read(key, offsets, sizes, spec.torch_dtype) for offsets, sizes in boxes]
     if p.transform == "gate_up":
         return [t.reshape(s) for t, s in zip(parts, p.hf_shapes)]
@@ -77,7 +76,7 @@ def hf_byte_spans(reader: RegionReader, p: keymap.TensorPlan, spec: ModelSpec) -
     files that are exactly its bytes, in order; None unless each box is one stored chunk held as a
     plain contiguous tensor of the model's dtype (then ``read_hf_tensors``)."""
     key, boxes = _boxes(p, spec)
-    _check_stored(reader, key, p, keymap.sharded_key(p.megatron)[1] is not None, spec)
+    _check_stored(reader, key, p, spec)
     regions = []
     for offsets, sizes in boxes:
         reg = reader.raw_region(key, offsets, sizes, spec.torch_dtype)

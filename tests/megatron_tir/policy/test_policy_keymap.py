@@ -35,7 +35,7 @@ def test_gate_up_is_gate_then_up():
     assert fused.shape == (256, 48) and fused[:128].sum() == 0 and fused[128:].sum() == 128 * 48
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_transforms_invert_exactly(family, tied):
     spec = _spec(family, tie_word_embeddings=tied)
@@ -51,7 +51,7 @@ def test_transforms_invert_exactly(family, tied):
 def test_plan_covers_every_hf_tensor_of_the_family(make_tiny_hf):
     from safetensors import safe_open
 
-    for family, tied in [("llama", True), ("qwen2", False), ("qwen3", False)]:
+    for family, tied in [("llama", True), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False)]:
         hf_dir = make_tiny_hf(family, tie_word_embeddings=tied)
         spec = ModelSpec.from_hf(tiny_config(family, tie_word_embeddings=tied))
         with safe_open(hf_dir / "model.safetensors", "pt") as f:
@@ -60,7 +60,7 @@ def test_plan_covers_every_hf_tensor_of_the_family(make_tiny_hf):
         assert planned == names
         assert ("lm_head.weight" in planned) == (not tied)
         assert any(n.endswith("q_proj.bias") for n in planned) == (family == "qwen2")
-        assert any(n.endswith("self_attn.k_norm.weight") for n in planned) == (family == "qwen3")
+        assert any(n.endswith("self_attn.k_norm.weight") for n in planned) == family.startswith("qwen3")
 
 
 def test_tables_are_readable_markdown():
@@ -83,3 +83,32 @@ def test_qwen3_qk_norms_are_per_head_and_kept_apart():
     assert q.hf_shapes == ((32,),) and k.megatron_shape == (32,)  # head_dim, not hidden
     qkv = plans["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert qkv.hf_shapes == ((128, 64), (64, 64), (64, 64)) and qkv.megatron_shape == (256, 64)
+
+
+def test_qwen3_moe_expert_names_both_ways():
+    spec = ModelSpec.from_hf(tiny_config("qwen3_moe", num_experts=8, moe_intermediate_size=32))
+    plans = {p.megatron: p for p in keymap.plan(spec)}
+    fc1 = plans["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
+    assert fc1.transform == "gate_up" and fc1.hf_shapes == ((32, 64), (32, 64)) and fc1.megatron_shape == (64, 64)
+    fc2 = plans["decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight"]
+    assert fc2.hf == ("model.layers.1.mlp.experts.5.down_proj.weight",) and fc2.megatron_shape == (64, 32)
+    assert plans["decoder.layers.0.mlp.router.weight"].hf == ("model.layers.0.mlp.gate.weight",)
+    assert plans["decoder.layers.0.mlp.router.weight"].megatron_shape == (8, 64)
+    assert sum("local_experts" in n for n in plans) == 2 * 2 * 8  # layers x (fc1, fc2) x experts
+    # the grouped-GEMM (TE) name of the same tensor, and where a checkpoint stores it
+    assert fc1.sharded == "decoder.layers.1.mlp.experts.linear_fc1.weight5"
+    assert keymap.local_name(fc1.sharded) == fc1.megatron
+    assert fc1.stored == ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 5))
+    # an MoE layer's pre-MLP norm is its own module in both specs (no fused linear_fc1 to hold it)
+    norm = plans["decoder.layers.0.pre_mlp_layernorm.weight"]
+    assert norm.hf == ("model.layers.0.post_attention_layernorm.weight",)
+    assert norm.stored == ("decoder.layers.pre_mlp_layernorm.weight", (0,))
+    dense = next(p for p in keymap.plan(_spec("qwen3")) if p.megatron == "decoder.layers.0.pre_mlp_layernorm.weight")
+    assert dense.stored == ("decoder.layers.mlp.linear_fc1.layer_norm_weight", (0,))
+    # a stage's local expert index + its expert-parallel offset = the global index
+    local = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert keymap.expert_offset(local, 4) == "decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight"
+    assert keymap.expert_offset("decoder.layers.1.mlp.router.weight", 4) == "decoder.layers.1.mlp.router.weight"
+    with pytest.raises(ValueError, match="stored_key"):
+        keymap.sharded_key(fc1.megatron)
