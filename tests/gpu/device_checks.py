@@ -10,8 +10,16 @@
    the capacity planner's figure for the same layer (``megatron_tir.launch.plan``).
 4. Throughput: forward+backward tokens/s of those layers (-> MFU) and of the tiny learner's step.
 
+5. With Transformer Engine: the TE layer spec's module names and ``_extra_state`` in the learner's
+   state dict, and FP8 GEMMs on every micro-batch shape the planner pads for FP8 + sequence parallelism
+   at TP 2/4/8, fed as one rank's local shard (``LayerNormLinear`` checks it), on one GPU; the old
+   ``lcm(TP, 16)`` padding is shown refused.
+6. Loss-path memory: peak bytes of the vocab-parallel log-prob (forward + backward) per logit element
+   against the planner's ``logits_bytes_per_elem``.
+
 Each check is independent: a failure is recorded with its error and the others still run.
-Without a GPU the script says so and exits 1.
+Without a GPU the script says so and exits 1. ``--imports-only`` (the CPU ``--check`` of
+run_on_device.sh) imports what every check imports and loads the carried tiny model, on CPU.
 """
 
 from __future__ import annotations
@@ -27,12 +35,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "megatron_tir" / "train"),
-                str(ROOT / "tests" / "megatron_tir" / "policy")]
+                str(ROOT / "tests" / "megatron_tir" / "policy"), str(ROOT / "tests" / "gpu")]
 
 LAYER_CASES = (  # (recipe model, TP, tokens of a micro-batch): the SimpleTIR recipes' layouts
     ("Qwen2.5-7B", 4, 32768),
     ("Qwen2.5-32B", 8, 32768),
 )
+
+
+def _te_imports() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: the TE variant is skipped (recorded in env.txt)
+        return False
+    return True
 
 
 def check_update_policy() -> dict:
@@ -168,10 +184,110 @@ def check_learner_throughput() -> dict:
     return {"model": "tiny-qwen2", "tokens_per_s": tokens / (time.perf_counter() - t0)}
 
 
+def check_te_fp8_shapes() -> dict:
+    """TE spec names and ``_extra_state`` (learner on TE), and FP8 GEMMs on the planned FP8 + SP shapes."""
+    import math
+
+    import transformer_engine.pytorch as te
+
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.microbatch import plan_microbatches
+
+    learner = Learner(LearnerConfig(model="tiny-qwen2", dtype="bfloat16", lr=1e-5))
+    names = sorted({type(m).__name__ for m in learner._model.modules() if type(m).__module__.startswith(
+        ("megatron.core.extensions.transformer_engine", "transformer_engine"))})
+    extra = [k for k in learner._model.state_dict() if k.endswith("_extra_state")]
+    assert names and extra, (names, extra[:3])
+    del learner
+    fp8 = getattr(te, "autocast", None) or te.fp8_autocast  # TE >= 2.8 names it autocast
+    hidden = 256
+    layer = te.LayerNormLinear(hidden, 512, params_dtype=torch.bfloat16).cuda()
+    attn = torch.zeros(6, 700, dtype=torch.bool)
+    for b, n in enumerate((700, 333, 129, 64, 17, 1)):
+        attn[b, :n] = True
+    shapes, refused_old = [], {}
+    for tp in (2, 4, 8):
+        pad = LearnerConfig(tp=tp, sequence_parallel=True, fp8="e4m3").pad_multiple
+        for mb in plan_microbatches(attn, max_tokens=1024, pad_to=pad):
+            x = torch.randn(mb.length // tp, len(mb.rows), hidden, device="cuda", dtype=torch.bfloat16)
+            with fp8(enabled=True):
+                layer(x)  # raises if TE refuses the local shard (utils.py assert_dim_for_fp8_exec)
+            shapes.append((tp, len(mb.rows), mb.length))
+        old = math.lcm(tp, 16)
+        try:
+            with fp8(enabled=True):
+                layer(torch.randn(old // tp, 1, hidden, device="cuda", dtype=torch.bfloat16))
+            refused_old[tp] = False
+        except (ValueError, AssertionError, RuntimeError):
+            refused_old[tp] = True
+    assert refused_old[4] and refused_old[8], refused_old  # lcm(TP, 16) / TP = 4 and 2 rows of a shard: not % 8
+    return {"te_module_names": names, "extra_state_keys": len(extra), "fp8_sp_shapes_ok": shapes,
+            "old_padding_refused": refused_old}
+
+
+def check_loss_path_memory() -> dict:
+    """Peak of the vocab-parallel log-prob forward + backward per logit element vs the planner."""
+    from megatron_tir.launch.plan import logits_bytes_per_elem
+    from megatron_tir.policy.vocab_parallel import token_logprobs
+
+    rows = []
+    for tokens, vocab in ((4096, 49152), (8192, 152064 // 4)):  # tiny-qwen2's vocab; Qwen2.5's at TP 4
+        logits = torch.randn(tokens, 1, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (tokens, 1), device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        token_logprobs(logits, target, 1.0).sum().backward()
+        torch.cuda.synchronize()
+        measured = (torch.cuda.max_memory_allocated() - before) / (tokens * vocab)
+        planner = logits_bytes_per_elem(2) - 2  # the logits themselves are counted before `before`
+        rows.append({"tokens": tokens, "vocab_per_rank": vocab, "measured_bytes_per_elem": measured,
+                     "planner_bytes_per_elem_beyond_logits": planner, "ratio_measured_over_planner": measured / planner})
+        del logits, target
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def imports_only() -> int:
+    """CPU: import what every check imports, then load the carried tiny model (transformers and the learner)."""
+    import importlib
+
+    for name in ("crafted_rollouts", "learner_testing", "megatron_tir.policy.learner", "megatron_tir.train.config",
+                 "megatron_tir.train.loop", "megatron_tir.train.rollout_source", "megatron_tir.model_sources",
+                 "megatron_tir.policy.losses", "megatron_tir.rl", "megatron_tir.launch.plan",
+                 "megatron_tir.launch.model_facts", "megatron_tir.policy.build", "megatron_tir.policy.microbatch",
+                 "megatron_tir.policy.vocab_parallel", "megatron_tir.policy.parallel", "megatron_tir.policy.weights",
+                 "megatron_tir.rollout.sync.sglang", "megatron.core.transformer.transformer_block", "transformers",
+                 "safetensors", "tqdm", "zmq", "msgspec", "aiohttp", "psutil", "nccl_sync_check"):
+        importlib.import_module(name)
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+
+    hf_dir = resolve_model("tiny-qwen2")
+    AutoModelForCausalLM.from_pretrained(hf_dir)
+    init_parallel(1, 1)
+    learner = Learner(LearnerConfig(model="tiny-qwen2", lr=1e-5))
+    tokens = torch.randint(0, 49152, (2, 16))
+    lp = learner.logprobs(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    assert lp.shape == (2, 16) and torch.isfinite(lp).all()
+    print(f"imports ok; tiny-qwen2 from {hf_dir} loaded by transformers and the learner", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
+    p.add_argument("--imports-only", action="store_true", help="CPU: imports and the tiny model only")
     args = p.parse_args()
+    if args.imports_only:
+        return imports_only()
+    if args.out is None:
+        p.error("--out is required")
     if not torch.cuda.is_available():
         print("device_checks: no CUDA GPU", file=sys.stderr)
         return 1
@@ -179,7 +295,9 @@ def main() -> int:
 
     init_parallel(1, 1, backend="nccl")
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    te_checks = (("te_fp8_sp_shapes", check_te_fp8_shapes),) if _te_imports() else ()
     for name, fn in (("update_policy_nccl_bf16", check_update_policy), ("logprob_parity", check_logprob_parity),
+                     *te_checks, ("loss_path_memory", check_loss_path_memory),
                      ("layer_activations", check_layer_activations), ("learner_throughput", check_learner_throughput)):
         t0 = time.perf_counter()
         try:
