@@ -227,3 +227,82 @@ def test_a_server_that_restarted_gets_new_groups_from_every_stage(tmp_path):
     for state in (kept, fresh):
         assert state["weight_version"] == "2" and not state["contract_errors"]
         assert {n: state["weights"][n] for n in r["reference"]} == r["reference"]  # bit-exact, both servers
+
+
+def late_run(rank: int, world: int, configs: list, out: str) -> None:
+    """PP=2, rank 0 owning two fake servers: sync; server 1 goes down and is not back within the
+    sync's wait (0.5 s here; the old rule waited 120 s and then failed the run): the sync goes on with
+    server 0; server 1 comes back (launch weights); the next sync brings both. Rank 0 saves the states."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+    from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangServer
+    from megatron_tir.rollout.event_loop import EventLoopThread
+    from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
+
+    init_parallel(1, 2)
+    learner = Learner(LearnerConfig(model="tiny-qwen2", pp=2))
+    servers, loop, engine = [], None, None
+    if rank == 0:
+        servers = [SGLangServer(c).start() for c in configs]
+        for s in servers:
+            s.wait_healthy(timeout_s=120, poll_s=0.2)
+        loop = EventLoopThread()
+        engine = SGLangEngine(SGLangEngineConfig(server_urls=tuple(s.url for s in servers), eos_token_ids=(0,),
+                                                 health_check_interval_s=0, rejoin_timeout_s=0.5))
+        loop.run(engine.start())
+    try:
+        sync = StageWeightSync(StageWeightSyncConfig(backend="gloo", timeout_s=60, bucket_bytes=BUCKET_BYTES,
+                                                     address="127.0.0.1"),
+                               engine=engine, submit=None if loop is None else loop.submit)
+        sync.start()
+        versions = [sync.update(learner)]
+        if rank == 0:
+            servers[1].stop()  # down; not back before the next sync
+        versions.append(sync.update(learner))
+        members_while_down = sync.members
+        if rank == 0:
+            servers[1] = SGLangServer(configs[1]).start()
+            servers[1].wait_healthy(timeout_s=120, poll_s=0.2)
+        with torch.no_grad():
+            for p in learner.module.parameters():
+                p.add_(0.01)
+        versions.append(sync.update(learner))
+        reference = {n: sha(t) for bucket in learner.hf_weights(1 << 30) for n, t in bucket}
+        result = {"versions": versions, "rebuilds": sync.rebuilds, "groups": sync.group_names,
+                  "members_while_down": members_while_down, "members": sync.members, "reference": reference}
+        if rank == 0:
+            result["urls"] = [s.url for s in servers]
+            result["states"] = [fake_state(s.url, weights=True) for s in servers]
+        sync.close()
+    finally:
+        if rank == 0:
+            loop.run(engine.close())
+            loop.close()
+            for s in servers:
+                s.stop()
+    if rank == 0:
+        torch.save(result, out)
+
+
+def test_a_server_later_than_the_wait_is_left_out_of_every_stage_and_rejoins_the_next_sync(tmp_path):
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.policy.parallel import run_ranks
+    from megatron_tir.ports import free_port
+    from megatron_tir.rollout.engines.sglang import SGLangServerConfig
+
+    configs = [SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
+                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
+               for i in range(2)]
+    run_ranks(late_run, 2, configs, str(tmp_path / "result.pt"))
+    r = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert r["versions"] == [1, 2, 3] and r["rebuilds"] == 2
+    assert r["members_while_down"] == (r["urls"][0],) and r["members"] == tuple(r["urls"])
+    assert r["groups"] == ["megatron_tir_weights-2-pp0", "megatron_tir_weights-2-pp1"]
+    kept, back = r["states"]
+    assert {u["group"] for u in back["received"]} == set(r["groups"])  # the new process: only the newest groups
+    assert {u["group"] for u in kept["received"]} == {f"megatron_tir_weights-{g}-pp{s}" for g in range(3)
+                                                      for s in range(2)}
+    for state in (kept, back):
+        assert state["weight_version"] == "3" and not state["contract_errors"]
+        assert {n: state["weights"][n] for n in r["reference"]} == r["reference"]  # bit-exact, both servers
