@@ -124,6 +124,7 @@ class Broker:
         self.workers: dict[bytes, _Worker] = {}
         self.served = self.retried = self.rejected = 0
         self._prefix = uuid.uuid4().hex[:8]
+        self._instance = uuid.uuid4().hex  # told in every STATUS reply: clients see a restart
         self._seq = 0
         self._dispatches = 0
         self._stop = False
@@ -363,5 +364,5 @@ class Broker:
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),
             max_queue=self.config.max_queue,
-            served=self.served, retried=self.retried, rejected=self.rejected,
+            served=self.served, retried=self.retried, rejected=self.rejected, broker_id=self._instance,
         )

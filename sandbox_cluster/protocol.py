@@ -181,6 +181,7 @@ class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):
     retried: int
     rejected: int
     protocol_version: int = PROTOCOL_VERSION
+    broker_id: str = ""  # this broker process's own id: another one after a restart (its accepted requests are lost)
 
     @property
     def missing_protections(self) -> dict[str, list[str]]:
