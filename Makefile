@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install run test test-fast rehearsal bench clean
+.PHONY: install run test test-fast rehearsal device-check bench clean
 
 $(STAMP): setup.cfg Makefile pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,9 @@ test-fast: install  # the unit tier (tests/fast_tier.py: no process, process gro
 
 rehearsal: install  # the cluster's shape on this CPU: torchrun x2 (PP 2), two SGLang stand-ins, a sandbox (docs/rehearsal.md)
 	$(BIN)/python tests/rehearsal/rehearse.py --out runs/rehearsal
+
+device-check: install  # CPU, 2-4 min: build tests/gpu/carry/ and prove the device script offline (tests/gpu/README.md)
+	PROJECT_PY=$(BIN)/python bash tests/gpu/run_on_device.sh --check
 
 bench: install  # every benchmark README's Benchmarks section reports, in its order
 	$(BIN)/sandbox-cluster bench
