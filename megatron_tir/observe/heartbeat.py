@@ -5,13 +5,15 @@ prints nothing (tqdm disables itself), and a 30-minute rollout phase would be 30
 silence. :func:`phase_progress` picks: the bar on a terminal, a :class:`Heartbeat` otherwise.
 Both take ``update(n, tokens=...)`` and are context managers. A heartbeat line::
 
-    heartbeat | rollout step 3/10 | 96/256 traj | 412 tok/s | phase ETA 6 min 40 s | step ETA 9 min 5 s
+    heartbeat | rollout step 3/10 | 96/256 traj | 412 tok/s | phase ETA ~6 min 40 s | step ETA ~9 min 5 s
 
 is logged at INFO (logger ``megatron_tir.heartbeat``) when ``interval_s`` (60 s, or
 ``$MEGATRON_TIR_HEARTBEAT_S``) has passed since the phase started or since the last line, so a
 short phase logs nothing; inside an event loop ``ticking()`` also beats while nothing finishes. The rates count from the
-phase's start; the phase ETA is what is left at the rate so far; the step ETA adds
-``rest_of_step_s`` (the caller's estimate of the step's other phases, e.g. the last step's).
+phase's start; the phase ETA is what is left at the completion rate so far, shown once a tenth
+of the phase is done (trajectories decoded together finish in bursts: an early ETA runs long);
+the step ETA adds ``rest_of_step_s`` (the caller's estimate of the step's other phases, e.g. the
+last step's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from collections.abc import AsyncIterator, Callable
 log = logging.getLogger("megatron_tir.heartbeat")
 INTERVAL_ENV = "MEGATRON_TIR_HEARTBEAT_S"  # seconds between heartbeat lines (default 60)
 INTERVAL_S = 60.0
+# no ETA before this share of the phase is done: trajectories decoded together finish in bursts, so the
+# first few completions say little about the rest
+ETA_AFTER = 0.1
 
 
 def interval_s() -> float:
@@ -92,11 +97,11 @@ class Heartbeat:
         parts.append(f"{self.done}/{self.total} {self.unit}" if self.total is not None else f"{self.done} {self.unit}")
         if self.tokens:
             parts.append(f"{self.tokens / elapsed:.0f} tok/s")
-        if self.total and 0 < self.done < self.total:
+        if self.total and max(2, self.total * ETA_AFTER) <= self.done < self.total:
             left = (self.total - self.done) * elapsed / self.done
-            parts.append(f"phase ETA {format_duration(left)}")
+            parts.append(f"phase ETA ~{format_duration(left)}")
             if self.rest_of_step_s is not None:
-                parts.append(f"step ETA {format_duration(left + self.rest_of_step_s)}")
+                parts.append(f"step ETA ~{format_duration(left + self.rest_of_step_s)}")
         elif not self.done:
             parts.append(f"{format_duration(elapsed)} in, nothing finished yet")
         return " | ".join(parts)

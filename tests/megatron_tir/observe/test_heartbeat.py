@@ -22,7 +22,7 @@ class Clock:
 
 def test_a_line_at_most_every_interval_with_rate_and_etas(caplog):
     clock = Clock()
-    beat = Heartbeat("rollout step 3/10", 256, interval_s=60.0, rest_of_step_s=150.0, clock=clock)
+    beat = Heartbeat("rollout step 3/10", 100, interval_s=60.0, rest_of_step_s=150.0, clock=clock)
     with caplog.at_level(logging.INFO, logger=hb.log.name):
         for _ in range(10):  # 10 trajectories in 50 s: no line yet
             clock.t += 5.0
@@ -33,9 +33,19 @@ def test_a_line_at_most_every_interval_with_rate_and_etas(caplog):
         clock.t += 30.0  # 30 s after the line: none
         beat.update(1, tokens=200)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["heartbeat | rollout step 3/10 | 11/256 traj | 37 tok/s | phase ETA 22 min 16 s | "
-                     "step ETA 24 min 46 s"]
-    # by hand: 2,200 tokens / 60 s = 36.7 tok/s; 245 left at 60/11 s each = 1336 s = 22 min 16 s; + 150 s
+    assert lines == ["heartbeat | rollout step 3/10 | 11/100 traj | 37 tok/s | phase ETA ~8 min 5 s | "
+                     "step ETA ~10 min 35 s"]
+    # by hand: 2,200 tokens / 60 s = 36.7 tok/s; 89 left at 60/11 s each = 485 s = 8 min 5 s; + 150 s
+
+
+def test_no_eta_before_a_tenth_of_the_phase_is_done():
+    clock = Clock()
+    beat = Heartbeat("eval", 28, interval_s=1.0, clock=clock)
+    clock.t += 60.0
+    beat.done = 2  # 7%: an early burst says little about the rest
+    assert beat.line() == "heartbeat | eval | 2/28 traj"
+    beat.done = 3
+    assert beat.line() == "heartbeat | eval | 3/28 traj | phase ETA ~8 min 20 s"  # 25 left x 20 s
 
 
 def test_a_phase_with_nothing_finished_says_so_and_no_total_counts_only():
