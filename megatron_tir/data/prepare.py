@@ -43,6 +43,7 @@ class Row:
     index: int
     question: str
     ground_truth: str
+    source: str | None = None  # the row's own data_source (verl input), kept unless --source is given
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -134,7 +135,9 @@ def convert_row(row: dict, fmt: str, index: int) -> Row:
             raise ValueError("'prompt' has no user message")
         if not isinstance(reward, dict):
             raise ValueError("'reward_model' must be a mapping with 'ground_truth'")
-        return Row(index, users[-1].strip(), _text(reward, "ground_truth"))
+        source = row.get("data_source")
+        return Row(index, users[-1].strip(), _text(reward, "ground_truth"),
+                   source if isinstance(source, str) and source else None)
     raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
@@ -161,9 +164,9 @@ def convert(rows: list[dict], fmt: str, *, skip_bad: bool = False) -> tuple[list
     return out, bad
 
 
-def verl_records(rows: list[Row], *, source: str, split: str) -> Iterator[dict]:
+def verl_records(rows: list[Row], *, source: str | None, default_source: str, split: str) -> Iterator[dict]:
     for row in rows:
-        yield {"data_source": source, "prompt": [{"role": "user", "content": row.question}], "ability": "math",
+        yield {"data_source": source or row.source or default_source, "prompt": [{"role": "user", "content": row.question}], "ability": "math",
                "reward_model": {"ground_truth": row.ground_truth, "style": "rule"},
                "extra_info": {"index": row.index, "split": split}}
 
@@ -186,6 +189,7 @@ def prepare(src: Path, out: Path, *, fmt: str = "auto", source: str | None = Non
     except ValueError as exc:
         raise ValueError(f"{src}: {exc}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(verl_records(converted, source=source or src.stem, split=split))), out)
+    records = verl_records(converted, source=source, default_source=src.stem, split=split)
+    pq.write_table(pa.Table.from_pylist(list(records)), out)
     load_problems(out)  # the trainer's own reader accepts it
     return len(converted), bad

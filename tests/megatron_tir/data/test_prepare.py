@@ -50,7 +50,8 @@ def test_math_parquet_and_deepscaler_json(tmp_path):
     src.write_text(json.dumps(DEEPSCALER))
     assert prepare(src, tmp_path / "d.parquet") == (1, [])
     assert load_problems(tmp_path / "d.parquet")[0].ground_truth == "5"
-    assert prepare(tmp_path / "d.parquet", tmp_path / "again.parquet")[0] == 1  # verl in: checked and copied
+    assert prepare(tmp_path / "m.parquet", tmp_path / "again.parquet")[0] == 1  # verl in: checked and copied
+    assert pq.read_table(tmp_path / "again.parquet").to_pylist()[0]["data_source"] == "math"  # its own source
     assert [detect_format(r) for r in (GSM8K[0], MATH[0], DEEPSCALER[0])] == ["gsm8k", "math", "deepscaler"]
 
 
