@@ -3,13 +3,15 @@
 On a terminal a phase shows a tqdm bar; under ``nohup``, in a Slurm job or any log file a bar
 prints nothing (tqdm disables itself), and a 30-minute rollout phase would be 30 minutes of
 silence. :func:`phase_progress` picks: the bar on a terminal, a :class:`Heartbeat` otherwise.
-Both take ``update(n, tokens=...)`` and are context managers. A heartbeat line::
+Both take ``update(n, tokens=...)`` and are context managers (the heartbeat then also beats from a
+thread while nothing finishes: a first turn, or one micro-batch of a large model, can take minutes).
+A heartbeat line::
 
     heartbeat | rollout step 3/10 | 96/256 traj | 412 tok/s | phase ETA ~6 min 40 s | step ETA ~9 min 5 s
 
 is logged at INFO (logger ``megatron_tir.heartbeat``) when ``interval_s`` (60 s, or
 ``$MEGATRON_TIR_HEARTBEAT_S``) has passed since the phase started or since the last line, so a
-short phase logs nothing; inside an event loop ``ticking()`` also beats while nothing finishes. The rates count from the
+short phase logs nothing. The rates count from the
 phase's start; the phase ETA is what is left at the completion rate so far, shown once a tenth
 of the phase is done (trajectories decoded together finish in bursts: an early ETA runs long);
 the step ETA adds ``rest_of_step_s`` (the caller's estimate of the step's other phases, e.g. the
@@ -18,13 +20,12 @@ last step's).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 log = logging.getLogger("megatron_tir.heartbeat")
 INTERVAL_ENV = "MEGATRON_TIR_HEARTBEAT_S"  # seconds between heartbeat lines (default 60)
@@ -74,6 +75,9 @@ class Heartbeat:
         self.tokens = 0
         self.lines = 0
         self._t0 = self._last = clock()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def update(self, n: int = 1, *, tokens: int = 0) -> None:
         """``n`` more units done (``tokens`` generated with them); logs a line when one is due."""
@@ -82,12 +86,14 @@ class Heartbeat:
         self.beat()
 
     def beat(self) -> None:
-        """Log a line if ``interval_s`` has passed since the last one (also callable from a timer)."""
-        now = self.clock()
-        if now - self._last >= self.interval_s:
+        """Log a line if ``interval_s`` has passed since the last one (from ``update`` or the ticking thread)."""
+        with self._lock:
+            now = self.clock()
+            if now - self._last < self.interval_s:
+                return
             self._last = now
             self.lines += 1
-            self.logger.info("%s", self.line(now))
+        self.logger.info("%s", self.line(now))
 
     def line(self, now: float | None = None) -> str:
         """The heartbeat line as of ``now``."""
@@ -106,27 +112,20 @@ class Heartbeat:
             parts.append(f"{format_duration(elapsed)} in, nothing finished yet")
         return " | ".join(parts)
 
-    @contextlib.asynccontextmanager
-    async def ticking(self) -> AsyncIterator[Heartbeat]:
-        """Inside an event loop: also beat while nothing finishes (a first turn can take minutes)."""
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(min(self.interval_s, 5.0))
+    def __enter__(self) -> Heartbeat:
+        """Also beat from a daemon thread while nothing finishes (until the block ends)."""
+        def tick() -> None:
+            while not self._stop.wait(min(self.interval_s, 5.0)):
                 self.beat()
 
-        task = asyncio.get_running_loop().create_task(tick())
-        try:
-            yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def __enter__(self) -> Heartbeat:
+        self._thread = threading.Thread(target=tick, name=f"heartbeat-{self.phase}", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _Bar:
@@ -139,10 +138,6 @@ class _Bar:
 
     def update(self, n: int = 1, *, tokens: int = 0) -> None:
         self._bar.update(n)
-
-    @contextlib.asynccontextmanager
-    async def ticking(self) -> AsyncIterator[_Bar]:
-        yield self  # tqdm refreshes itself
 
     def __enter__(self) -> _Bar:
         return self

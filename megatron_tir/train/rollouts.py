@@ -78,9 +78,8 @@ class RolloutService:
             return await driver.run(problems, group_id_offset=group_id_offset)
         # a bar on a terminal, a heartbeat line every minute in a log file (megatron_tir.observe.heartbeat)
         with phase_progress(desc, len(problems) * config.n_samples, unit="traj") as bar:
-            async with bar.ticking():
-                return await driver.run(problems, group_id_offset=group_id_offset,
-                                        on_done=lambda t: bar.update(1, tokens=t.num_model_tokens))
+            return await driver.run(problems, group_id_offset=group_id_offset,
+                                    on_done=lambda t: bar.update(1, tokens=t.num_model_tokens))
 
     def take_stale_responses(self) -> int:
         """Answers the engine dropped since the last call because their server served older

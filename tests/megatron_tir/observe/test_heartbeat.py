@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
+import time
 
 import pytest
 
@@ -55,16 +55,15 @@ def test_a_phase_with_nothing_finished_says_so_and_no_total_counts_only():
     assert beat.line() == "heartbeat | eval | 0 micro-batch | 2 min 5 s in, nothing finished yet"
 
 
-def test_ticking_beats_while_nothing_finishes(caplog):
-    async def slow_phase() -> None:
-        beat = Heartbeat("rollout", 4, interval_s=0.05)
-        async with beat.ticking():
-            await asyncio.sleep(0.4)  # a long first turn: no trajectory ends
-        assert beat.lines >= 1
-
+def test_the_context_beats_while_nothing_finishes(caplog):
     with caplog.at_level(logging.INFO, logger=hb.log.name):
-        asyncio.run(slow_phase())
-    assert any("0/4 traj" in r.getMessage() and "nothing finished yet" in r.getMessage() for r in caplog.records)
+        with Heartbeat("update", 4, unit="micro-batch", interval_s=0.05) as beat:
+            time.sleep(0.4)  # one long micro-batch: nothing finishes
+        lines = beat.lines
+        time.sleep(0.2)
+    assert lines >= 2 and beat.lines == lines  # the thread stopped with the block
+    assert all("0/4 micro-batch" in r.getMessage() and "nothing finished yet" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_terminal_gets_the_bar_a_file_gets_the_heartbeat():
