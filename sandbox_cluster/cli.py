@@ -48,7 +48,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
                                  heartbeat_liveness=args.heartbeat_liveness))
     # First stdout line: the bound endpoints (LocalCluster reads it; useful with tcp://host:*).
     print(json.dumps({"client": broker.client_endpoint, "worker": broker.worker_endpoint}), flush=True)
-    broker.run(install_signal_handlers=True, exit_with_parent=os.getppid() if args.exit_with_parent else None)
+    broker.run(install_signal_handlers=True, exit_with_parent=_owner(args))
     return 0
 
 
@@ -61,9 +61,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(connect=args.connect, slots=args.slots, name=args.name or "", limits=limits,
                           heartbeat_interval_s=args.heartbeat_interval, heartbeat_liveness=args.heartbeat_liveness,
                           uid_base=args.uid_base, cell_nice=cell_nice,
-                          exit_with_parent=os.getppid() if args.exit_with_parent else None)
+                          exit_with_parent=_owner(args))
     Worker(config).run()
     return 0
+
+
+def _owner(args: argparse.Namespace) -> int | None:
+    """The pid whose death ends this process: ``--exit-with-parent PID``, or the parent at start (bare flag)."""
+    if args.exit_with_parent is None:
+        return None
+    return args.exit_with_parent or os.getppid()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -184,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     def heartbeat(p: argparse.ArgumentParser) -> None:
         p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
         p.add_argument("--heartbeat-liveness", type=int, default=6, help="missed heartbeats before a peer is dead")
-        p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
+        p.add_argument("--exit-with-parent", nargs="?", type=int, const=0, default=None, metavar="PID",
+                       help="exit when the starting process (or PID: the owner's pid, named by the owner, so one "
+                            "that died before this process looked is noticed too) is no longer the parent")
         p.add_argument("--priority-boost", type=int, default=5, choices=range(0, 20), metavar="0..19",
                        help="run this process (not the cells) this much nicer-than-nice (needs CAP_SYS_NICE)")
 

@@ -147,7 +147,7 @@ class LocalCluster:
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-P", "-m", "sandbox_cluster.cli", "--log-level", self._log_level, *args,
-                "--priority-boost", str(self._priority_boost), "--exit-with-parent"]
+                "--priority-boost", str(self._priority_boost), "--exit-with-parent", str(os.getpid())]
 
     def _start_broker(self, address: str, worker_address: str, max_queue: int) -> None:
         interval, liveness = self._hb

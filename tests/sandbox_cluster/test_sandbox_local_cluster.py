@@ -77,3 +77,35 @@ def test_the_directory_goes_when_its_owner_leaves_without_close(way):
         assert mine not in remove_stale_dirs() and os.path.isdir(mine)
     finally:
         os.rmdir(mine)
+
+
+_STARTING_OWNER = """
+from sandbox_cluster import LocalCluster
+import time
+LocalCluster(workers=2)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_owner_during_start_up_leaves_no_process():
+    # Issue 37: a worker that started after its owner died took init for its parent and never left.
+    import select
+
+    owner = subprocess.Popen([sys.executable, "-c", _STARTING_OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while len(psutil.Process(owner.pid).children()) < 3:  # the broker and both workers, still starting
+            assert time.monotonic() < end and owner.poll() is None
+            time.sleep(0.01)
+        procs = psutil.Process(owner.pid).children(recursive=True)
+        owner.send_signal(signal.SIGTERM)
+        owner.wait(10)
+        assert not select.select([owner.stdout], [], [], 0)[0] or owner.stdout.read() == ""  # never came up
+        _gone, alive = psutil.wait_procs(procs, timeout=30)
+        assert alive == [], [p.pid for p in alive]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
