@@ -191,12 +191,13 @@ def test_a_non_finite_weight_after_a_step_is_never_saved(parallel_1x1, tmp_path,
 
 def test_consecutive_non_finite_steps_stop_the_run_in_one_line():
     from megatron_tir.finite import NonFiniteTraining
+    from megatron_tir.train.algorithm import StepStats
     from megatron_tir.train.loop import _check_finite_steps
 
-    bad = {"train/skipped_steps": 1.0, "train/nonfinite_weights": 0.0}
+    bad = StepStats(skipped=1, nonfinite_weights=0)
     n = _check_finite_steps(4, bad, 0, 3)
-    n = _check_finite_steps(5, {"train/skipped_steps": 0.0, "train/nonfinite_weights": 1.0}, n, 3)
-    assert n == 2 and _check_finite_steps(6, {"train/skipped_steps": 0.0}, n, 3) == 0  # a good step resets
+    n = _check_finite_steps(5, StepStats(skipped=0, nonfinite_weights=1), n, 3)
+    assert n == 2 and _check_finite_steps(6, StepStats(skipped=0), n, 3) == 0  # a good step resets
     with pytest.raises(NonFiniteTraining) as info:
         _check_finite_steps(9, bad, 2, 3)
     assert "stopped at step 9: 3 consecutive steps with non-finite gradients" in str(info.value)
@@ -397,4 +398,15 @@ def test_tir_ckpt_refuses_to_export_a_nan_weight_naming_it(parallel_1x1, tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert "model.layers.1.mlp.down_proj.weight holds non-finite values" in lines[0], lines[0]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_tir_ckpt_refuses_a_run_step_that_lost_its_manifest(damaged_copy, tmp_path, capsys):
+    from checkpoints_tools.cli import main
+
+    run, _, _ = damaged_copy
+    (run / "checkpoints" / "step_2" / manifest.MANIFEST).unlink()
+    code = main(["megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2" / "policy"), "--out", str(tmp_path / "hf")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "step_2: manifest.json is missing" in lines[0], lines
     assert not (tmp_path / "hf").exists()
