@@ -28,7 +28,9 @@ What is redirected (and why):
   computes it); the all-to-all token dispatcher (which the learner uses at PP > 1, where the
   all-gather one refuses variable sequence lengths) creates and waits on a CUDA stream for its
   device-to-host copies (the proxy's ``cuda.Stream`` / ``current_stream`` / ``stream`` are one
-  CPU stand-in whose waits and events do nothing: on CPU the copies are already done).
+  CPU stand-in whose waits and events do nothing: on CPU the copies are already done), and
+  its ``maybe_move_tensor_to_cpu`` turns only CUDA tensors into the numpy split sizes the
+  all-to-all takes (on CPU they stayed tensors: the same values as numpy arrays here).
 * ``get_default_causal_mask`` (``device="cuda"`` hard-coded): CPU version, cached per
   length like the original.
 * The CUDA RNG tracker (dropout / weight init under ``fork()``): a tracker with the same
@@ -128,6 +130,8 @@ PATCHES: tuple[Patch, ...] = (
           attribute="DistributedOptimizer._build_model_and_main_param_groups",
           marker="model_param.type() == 'torch.cuda.FloatTensor'",
           why="distributed optimizer sorts params by CUDA type names"),
+    Patch(module="megatron.core.transformer.moe.token_dispatcher", attribute="maybe_move_tensor_to_cpu",
+          marker="tensor.is_cuda", why="the all-to-all's split sizes become numpy only from CUDA tensors"),
     Patch(module="megatron.core.transformer.moe.router", attribute="router_gating_linear",
           marker="RouterGatingLinearFunction.apply",
           why="the MoE router's GEMM names te_general_gemm, undefined without Transformer Engine"),
@@ -283,6 +287,13 @@ def _torch_router_gating_linear(inp, weight, bias, router_dtype):
                                       None if bias is None else bias.to(router_dtype))
 
 
+def _host_tensor(tensor, as_numpy=False, record_stream=False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for tensors already on the host: as numpy where asked."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _cuda_type_names(fn):
     """``fn`` during which ``Tensor.type()`` names CPU tensors as their CUDA twins
     (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``); conversions (``type(dtype)``) unchanged."""
@@ -339,6 +350,8 @@ def _replacement(patch: Patch, current):
         return classmethod(_cuda_type_names(current.__func__))
     if patch.attribute == "router_gating_linear":
         return _torch_router_gating_linear
+    if patch.attribute == "maybe_move_tensor_to_cpu":
+        return _host_tensor
     raise AssertionError(patch)
 
 

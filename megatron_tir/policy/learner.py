@@ -110,13 +110,19 @@ class Learner:
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron_tir.policy.parallel.init_parallel(tp, pp) before building a Learner")
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (config.tp, config.pp):
-            raise ValueError(f"parallel state is tp={have[0]} pp={have[1]} but learner wants tp={config.tp} "
-                             f"pp={config.pp}")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (config.tp, config.pp, config.ep):
+            raise ValueError(f"parallel state is tp={have[0]} pp={have[1]} ep={have[2]} but learner wants "
+                             f"tp={config.tp} pp={config.pp} ep={config.ep}")
         source = resolve_source(config.model)
         self.spec = dataclasses.replace(source.spec, dtype=config.dtype)
-        self.spec.check_layout(config.tp, config.pp)
+        self.spec.check_layout(config.tp, config.pp, config.ep)
+        if not self.spec.is_moe and (config.moe_aux_loss_coeff is not None or config.moe_z_loss_coeff):
+            raise ValueError(f"learner.moe_aux_loss_coeff / moe_z_loss_coeff: {config.model} is not an MoE model")
+        if self.spec.is_moe and config.tp > 1 and not config.sequence_parallel and not frozen:
+            raise ValueError("learner.tp > 1 with an MoE model needs learner.sequence_parallel (megatron-core's MoE "
+                             "layer refuses to train under TP without it; on CPU use learner.ep instead)")
         self.source = source
         self.frozen = frozen
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_files)

@@ -52,6 +52,9 @@ class LearnerConfig:
     head: str = "lm"  # "lm" (the policy) | "value" (a critic: megatron_tir.policy.value_head)
     tp: int = 1  # tensor-parallel size (must divide the attention heads)
     pp: int = 1  # pipeline-parallel stages (must divide the layers)
+    ep: int = 1  # expert-parallel size (MoE: experts split over this many of a stage's tp x dp ranks)
+    moe_aux_loss_coeff: float | None = None  # MoE load-balancing loss coefficient (None: the model's)
+    moe_z_loss_coeff: float = 0.0  # MoE router z-loss coefficient (0: off)
     dtype: str = "float32"  # parameter and compute dtype: float32 | bfloat16
     lr: float = 1e-6  # peak learning rate (AdamW)
     min_lr: float = 0.0  # the lr at lr_decay_steps (linear / cosine decay)
@@ -83,6 +86,10 @@ class LearnerConfig:
             raise ValueError(f"learner.head {self.head!r} is not one of {', '.join(HEADS)}")
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"learner.tp and learner.pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.ep < 1:
+            raise ValueError(f"learner.ep must be >= 1, got {self.ep}")
+        if (self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0) or self.moe_z_loss_coeff < 0:
+            raise ValueError("learner.moe_aux_loss_coeff and learner.moe_z_loss_coeff must be >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"learner.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
@@ -159,6 +166,11 @@ class LearnerConfig:
         if self.fp8 is not None:
             out.update(fp8=self.fp8, fp8_recipe=self.fp8_recipe, fp8_amax_history_len=self.fp8_amax_history_len,
                        fp8_amax_compute_algo=self.fp8_amax_compute_algo)
+        if self.moe_aux_loss_coeff is not None:  # MoE models only (the learner refuses them on dense ones)
+            out.update(moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                       moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none")
+        if self.moe_z_loss_coeff > 0:
+            out.update(moe_z_loss_coeff=self.moe_z_loss_coeff)
         return out
 
 

@@ -10,8 +10,10 @@ probabilities (``softmax(x)_i / sum_topk softmax(x)_j = exp(x_i) / sum_topk exp(
 
 The experts are megatron-core's ``SequentialMLP`` (one MLP per local expert) on CPU and its
 ``TEGroupedMLP`` (one grouped GEMM over all local experts) with Transformer Engine; the token
-dispatcher is all-to-all on a GPU and all-gather on CPU (the all-to-all dispatcher creates a
-CUDA stream when built). Load-balancing and z-loss coefficients are training settings
+dispatcher is all-to-all, except on CPU without expert parallelism, where the all-gather one
+does the same with less (the all-to-all one runs on CPU through ``cpu_compat``'s stream
+stand-in; with ``ep > 1`` it is needed: the all-gather dispatcher gathers equal-sized token
+blocks, but data-parallel replicas hold micro-batches of different lengths). Load-balancing and z-loss coefficients are training settings
 (``MoESettings``); the model's own ``router_aux_loss_coef`` is the default of the former.
 """
 
@@ -67,7 +69,7 @@ def moe_config_kwargs(spec: ModelSpec, *, ep: int, etp: int, on_gpu: bool,
         moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=settings.z_loss_coeff or None,
         moe_router_dtype=settings.router_dtype,
-        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        moe_token_dispatcher_type="alltoall" if on_gpu or ep > 1 else "allgather",
         moe_grouped_gemm=bool(settings.grouped_gemm),
         moe_permute_fusion=False,
         moe_router_fusion=False,

@@ -65,13 +65,16 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
         raise ValueError(f"ep*etp = {ep * etp} does not divide the {world // pp} ranks of a pipeline stage")
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have == (tp, pp):
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+        if have == (tp, pp, ep, etp):
             return
-        raise ValueError(f"model parallelism is already initialized with tp={have[0]} pp={have[1]}, "
-                         f"not tp={tp} pp={pp} (call destroy_parallel() first)")
+        raise ValueError(f"model parallelism is already initialized with tp={have[0]} pp={have[1]} ep={have[2]} "
+                         f"etp={have[3]}, not tp={tp} pp={pp} ep={ep} etp={etp} (call destroy_parallel() first)")
     # megatron-core's own groups (TP, PP, DP, ...) take the same timeout as the default group (its default: 30 min)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                              distributed_timeout_minutes=timeout_s / 60)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

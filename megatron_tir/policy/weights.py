@@ -14,6 +14,12 @@ buckets of about ``bucket_bytes`` (a bucket holds one stage's tensors). A collec
 tensors. Tensors of rank 0's own stage at TP=1 are views of the live parameters (no copy):
 use them before the next optimizer step.
 
+MoE experts live on their expert-parallel rank (the replicas of a stage split them): each
+expert's tensors are gathered over the expert-tensor-parallel group of the ranks that hold it
+(expert data-parallel replica 0) and sent to the stage's sender -- the stage's first rank,
+itself the holder of expert-parallel rank 0's experts, whose expert-parallel group lists the
+other holders -- which passes them on as its own (``_expert_tensor``).
+
 ``stage_buckets`` is the per-stage export (nothing goes to rank 0): the same gathers, but each
 stage's sender (its first TP rank of replica 0) yields its own stage's buckets, cut as
 ``bucket_layout`` says -- a pure function of the model spec that the rank announcing the
@@ -121,20 +127,63 @@ def stage_plans(spec: ModelSpec, stage: int, pp: int) -> list[keymap.TensorPlan]
     return out
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts.local_experts." in name
+
+
 def _gather_tp(param: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
-    """The full tensor of a (possibly TP-sharded) parameter; collective over the TP group."""
+    """The full tensor of a (possibly TP-sharded) parameter; collective over the TP group (an
+    expert's: the expert-tensor-parallel group)."""
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    expert = _is_expert(name)
+    tp = (parallel_state.get_expert_tensor_parallel_world_size() if expert
+          else parallel_state.get_tensor_model_parallel_world_size())
     data = param.detach()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return data
+    group = (parallel_state.get_expert_tensor_parallel_group() if expert
+             else parallel_state.get_tensor_model_parallel_group())
     shards = [torch.empty_like(data) for _ in range(tp)]
-    torch.distributed.all_gather(shards, data.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_gather(shards, data.contiguous(), group=group)
     if gated and name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=param.partition_dim)
+
+
+def _holds_experts(spec: ModelSpec) -> bool:
+    """This rank holds experts that the export reads: an MoE model's expert data-parallel replica 0."""
+    from megatron.core import parallel_state
+
+    return spec.is_moe and parallel_state.get_expert_data_parallel_rank() == 0
+
+
+def _expert_tensor(p: keymap.TensorPlan, params: dict, local_names: dict, spec: ModelSpec,
+                   stage_sender: bool) -> torch.Tensor | None:
+    """Expert tensor ``p`` (the key map's name, global expert index) in full on the stage's sender
+    (received from its holder unless the sender holds it), None on other ranks; the holding ranks
+    (expert data-parallel replica 0 of its expert-parallel rank) gather it over their
+    expert-tensor-parallel group. Called by the stage's sender and its expert holders, in plan order."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    owner = int(p.megatron.split(".")[6]) // (spec.num_experts // ep)  # decoder.layers.i.mlp.experts.local_experts.e
+    holders = torch.distributed.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
+    full = None
+    if _holds_experts(spec) and parallel_state.get_expert_model_parallel_rank() == owner:
+        full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
+        if parallel_state.get_expert_tensor_parallel_rank() != 0:
+            return None
+        if not stage_sender:
+            torch.distributed.send(full.contiguous(), dst=holders[0])
+            return None
+        return full
+    if stage_sender:
+        full = torch.empty(p.megatron_shape, dtype=next(iter(params.values())).dtype,
+                           device=next(iter(params.values())).device)
+        torch.distributed.recv(full, src=holders[owner])
+    return full
 
 
 def _bucketed(items: Iterable[tuple[str, T]], nbytes: Callable[[T], int],
@@ -182,6 +231,7 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
     params, local_names = _local_names(model, spec)
     dtype = next(iter(params.values())).dtype
     device = next(iter(params.values())).device
+    experts_here = _holds_experts(spec)
 
     def stage_tensors(stage: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0: the stage's HF tensors (its own, or received from the stage's sender); the
@@ -189,7 +239,16 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
         gathering = in_replica0 and my_stage == stage
         for p in stage_plans(spec, stage, pp):
             tensors: list[torch.Tensor] | None = None
-            if gathering:
+            if my_stage == stage and _is_expert(p.megatron) and (gathering or experts_here):
+                full = _expert_tensor(p, params, local_names, spec, stage_sender=gathering and is_sender_tp)
+                if not (gathering and is_sender_tp):
+                    continue
+                tensors = keymap.to_hf(p, full, spec)
+                if rank != 0:
+                    for t in tensors:
+                        torch.distributed.send(t.contiguous(), dst=0)
+                    continue
+            elif gathering:
                 full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)  # (the key map's name)
                 tensors = keymap.to_hf(p, full, spec)
                 if is_sender_tp and rank != 0:
@@ -206,7 +265,7 @@ def hf_buckets(model, spec: ModelSpec, bucket_bytes: int) -> Iterator[tuple[int,
                 yield from zip(p.hf, tensors)
 
     for stage in range(pp):
-        if rank != 0 and not (in_replica0 and my_stage == stage):
+        if rank != 0 and not ((in_replica0 or experts_here) and my_stage == stage):
             continue
         for bucket in _bucketed(stage_tensors(stage), _tensor_bytes, bucket_bytes):
             yield stage, bucket
@@ -235,22 +294,30 @@ def is_stage_sender() -> bool:
 def stage_buckets(model, spec: ModelSpec,
                   bucket_bytes: int) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
     """This rank's stage's ``(stage, [(HF name, full tensor), ...])`` buckets on the stage's sender
-    (cut as ``bucket_layout``); its TP peers in replica 0 take part in the gathers and get nothing;
-    other replicas do nothing. Collective over the stage's TP group: those ranks exhaust it together."""
+    (cut as ``bucket_layout``); its TP peers in replica 0 take part in the gathers and get nothing,
+    and so do an MoE model's expert holders in other replicas (their experts' gathers and sends);
+    other replicas do nothing. Collective over the stage's TP group (and its expert holders): those
+    ranks exhaust it together."""
     from megatron.core import parallel_state
 
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    if parallel_state.get_data_parallel_rank() != 0:
+    in_replica0 = parallel_state.get_data_parallel_rank() == 0
+    if not in_replica0 and not _holds_experts(spec):
         return
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    sender = parallel_state.get_tensor_model_parallel_rank() == 0
+    sender = in_replica0 and parallel_state.get_tensor_model_parallel_rank() == 0
     params, local_names = _local_names(model, spec)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for p in stage_plans(spec, stage, pp):
-            full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
+            if _is_expert(p.megatron):
+                full = _expert_tensor(p, params, local_names, spec, stage_sender=sender)
+            elif in_replica0:
+                full = _gather_tp(params[local_names[p.megatron]], p.megatron, gated=True)
+            else:
+                continue
             if sender:
                 yield from zip(p.hf, keymap.to_hf(p, full, spec))
 

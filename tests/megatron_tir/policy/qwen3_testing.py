@@ -6,21 +6,43 @@ import torch
 from learner_testing import make_batch, ppo_loss
 
 
-def qwen3_run(rank: int, world: int, model: str, tp: int, pp: int, ep: int, out: str) -> None:
+def qwen3_run(rank: int, world: int, model: str, tp: int, pp: int, ep: int, out: str,
+              learner: dict | None = None) -> None:
     """At ``tp`` x ``pp`` (x ``ep`` expert-parallel): log-probs of batch 1, one Adam step on batch 2, the
-    exported HF weights and the log-probs after the step; rank 0 saves them to ``out``."""
+    exported HF weights and the log-probs after the step; rank 0 saves them to ``out``. ``learner``:
+    more ``LearnerConfig`` fields."""
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
 
-    init_parallel(tp, pp, **({"ep": ep} if ep > 1 else {}))
+    init_parallel(tp, pp, ep=ep)
     learner = Learner(LearnerConfig(model=model, tp=tp, pp=pp, lr=1e-3, max_tokens_per_microbatch=64,
-                                    **({"ep": ep} if ep > 1 else {})))
+                                    ep=ep, **(learner or {})))
     probe = make_batch(1)
     lp = learner.logprobs(probe.tokens_BT, probe.attention_mask_BT)
     step = learner.train_step(make_batch(2), ppo_loss, aggregation="token_mean")
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 20) for name, t in bucket}
     after = learner.logprobs(probe.tokens_BT, probe.attention_mask_BT)
+    experts = {n.split(".local_experts.")[1].split(".")[0] for n, _ in learner.module.named_parameters()
+               if ".local_experts." in n}  # this rank's share of the experts
     if rank == 0:
         torch.save({"logprobs": lp, "after": after, "weights": weights, "loss": step.loss,
-                    "grad_norm": step.grad_norm}, out)
+                    "grad_norm": step.grad_norm, "local_experts": len(experts)}, out)
+
+
+def hf_dir_with(weights: dict, like, out):
+    """An HF directory at ``out``: ``like``'s config and tokenizer with ``weights`` (HF file names) as
+    its tensors -- loaded by ``from_pretrained``, which reads Qwen3-MoE's per-expert file names
+    (``load_state_dict`` on the module would not: transformers fuses the experts in memory)."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(like).iterdir():
+        if f.suffix in (".json", ".jinja") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out
