@@ -2,8 +2,11 @@
 
 from megatron_tir.rl.advantages import (
            ADVANTAGE_ESTIMATORS,
+           CRITIC_ESTIMATORS,
+           ESTIMATOR_NAMES,
            AdvantageEstimator,
            grpo_advantages_B,
+           needs_values,
            reinforce_pp_advantages_BT,
 )
 from megatron_tir.rl.loss import (
@@ -25,6 +28,8 @@ from megatron_tir.rl.rows import (
 
 __all__ = [
            "ADVANTAGE_ESTIMATORS",
+           "CRITIC_ESTIMATORS",
+           "ESTIMATOR_NAMES",
            "AGGREGATIONS",
            "AdvantageEstimator",
            "MODES",
@@ -38,6 +43,7 @@ __all__ = [
            "grpo_advantages_B",
            "kl_k3_BT",
            "low_prob_keep_BT",
+           "needs_values",
            "reinforce_pp_advantages_BT",
            "row_weights",
 ]

@@ -109,3 +109,15 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp": reinforce_pp_BT,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages_BT,
 }
+
+# Estimators computed per token from a critic's values, on every rank (``megatron_tir.rl.critic.gae_BT``,
+# ``megatron_tir.train.algorithm.CriticPPO``), not per group on rank 0 before the hand-off.
+CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
+ESTIMATOR_NAMES: tuple[str, ...] = (*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS)
+
+
+def needs_values(name: str) -> bool:
+    """Whether estimator ``name`` needs a critic's values (ValueError for a name that is no estimator)."""
+    if name not in ESTIMATOR_NAMES:
+        raise ValueError(f"advantage must be one of {', '.join(ESTIMATOR_NAMES)}, got {name!r}")
+    return name in CRITIC_ESTIMATORS

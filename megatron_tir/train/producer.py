@@ -1,0 +1,244 @@
+"""Rank 0's production of a step's rollouts: the prompt stream, the turn schedule, dynamic sampling,
+and each step's trained rows (row roles, group advantages, each data-parallel replica's share) with
+the step's rollout and filter metrics. The rollout source (``train/rollout_source.py``) hands them
+to the other ranks.
+
+One strategy per ``trainer.async`` mode, chosen once:
+
+* :class:`Rounds` (``off``, ``one_step``): a step's rounds of dynamic sampling
+  (:func:`~megatron_tir.train.batch.collect_groups`) run on the service's event loop as one future;
+  with ``one_step`` the rollout source submits step + 1's as soon as step's are taken;
+* :class:`Continuous` (``full``): a :class:`~megatron_tir.train.group_producer.GroupProducer`
+  generates groups without a break under the staleness bound and each step takes its batch; the
+  prompt position a checkpoint records is then the first one not consumed, with the consumed
+  positions past it.
+
+A new mode is one strategy class (``submit``, ``take``, ``hold``, ``stop``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+from megatron_tir.openmp import release_idle_threads
+from megatron_tir.rl import needs_values
+from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.trajectory import INFRA_STATUSES
+from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
+from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.data import PromptStream
+from megatron_tir.train.group_producer import GroupProducer
+from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
+from megatron_tir.train.turn_schedule import schedule_due, switched
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Produced:
+    """Rank 0's step: the hand-off header, each replica's rows (None: none trained), the metrics, the groups."""
+    header: dict
+    shares: list[TrainRows] | None
+    metrics: dict
+    collected: Collected
+
+
+class Rounds:
+    """``off`` / ``one_step``: each step's rounds of dynamic sampling as one future on the event loop."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.p = producer
+
+    def submit(self, step: int) -> concurrent.futures.Future:
+        p, tc = self.p, self.p.cfg.trainer
+        f = tc.filters
+        coro = collect_groups(functools.partial(self._sample_round, p.rollout_cfg), want=tc.sampling.prompts_per_step,
+                              max_rounds=tc.sampling.max_rounds, drop_zero_std=f.drop_zero_std,
+                              accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi, overlong=f.overlong,
+                              min_rows=f.min_group_rows, strategy=tc.sampling.strategy, seed=tc.seed * 100003 + step)
+        return p.service.submit(coro)
+
+    async def _sample_round(self, rollout_cfg):
+        p = self.p
+        start = p.stream.position  # group ids are positions in the prompt stream
+        problems = p.stream.take(p.cfg.trainer.sampling.prompts_per_round)
+        return await p.service.arollout(problems, rollout_cfg, group_id_offset=start, progress=p.cfg.trainer.progress)
+
+    def take(self, step: int, future) -> tuple[Collected, int, list[int], dict]:
+        return future.result(), self.p.stream.position, [], {}  # the position after the rounds: they draw as they go
+
+    def hold(self, on: bool) -> None:
+        pass
+
+    @property
+    def running(self) -> bool:
+        return False
+
+    def stop(self) -> None:
+        pass
+
+
+class Continuous:
+    """``full``: one group producer, started at the first step, generating without a break."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.p = producer
+        self.groups: GroupProducer | None = None
+
+    def submit(self, step: int) -> None:
+        p, tc = self.p, self.p.cfg.trainer
+        if self.groups is None:
+            self.groups = GroupProducer(
+                arollout=p.service.arollout, stream=p.stream, rollout_cfg=lambda: p.rollout_cfg,
+                version=lambda: p.service.weight_version, batch=tc.sampling.prompts_per_step,
+                max_staleness=tc.asynchrony.max_staleness, filters=tc.filters,
+                max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round)
+            p.service.runner.run(self.groups.start())
+        return None
+
+    def take(self, step: int, future) -> tuple[Collected, int, list[int], dict]:
+        p, tc = self.p, self.p.cfg.trainer
+        taken = p.service.runner.run(self.groups.take(tc.sampling.prompts_per_step))
+        if step == tc.steps:  # the last step: nothing more to generate (what runs returns to the stream)
+            p.service.runner.run(self.groups.stop())
+        return (taken.collected, taken.data_position, list(taken.consumed_ahead),
+                {"rollout/groups_in_flight": float(taken.in_flight)})
+
+    def hold(self, on: bool) -> None:
+        """The held-out evaluation first, then generation ahead again."""
+        if self.groups is not None:
+            self.p.service.runner.run(self.groups.hold(on))
+
+    @property
+    def running(self) -> bool:
+        return self.groups is not None
+
+    def stop(self) -> None:
+        if self.groups is not None:
+            self.p.service.runner.run(self.groups.stop())
+
+    def poke(self) -> None:
+        """After a weight sync: the new version may admit more groups."""
+        if self.groups is not None:
+            self.p.service.runner.run(self.groups.poke())
+
+
+STRATEGIES = {"off": Rounds, "one_step": Rounds, "full": Continuous}
+
+
+class Producer:
+    """Rank 0 only: owns the prompt stream and the turn schedule; ``submit`` / ``drain`` / ``produce``."""
+
+    def __init__(self, cfg: TrainConfig, service, *, position: int, consumed_ahead, schedule_switched_at: int | None,
+                 pad_id: int | None, dp_size: int) -> None:
+        self.cfg, self.service, self.dp_size = cfg, service, dp_size
+        self.stream = PromptStream(cfg.data, position=position, skip=consumed_ahead)
+        self.schedule_switched_at = schedule_switched_at
+        self.rollout_cfg = cfg.rollout if schedule_switched_at is None else switched(cfg.rollout,
+                                                                                     cfg.trainer.turn_schedule)
+        self._lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
+        self._pending: dict[int, tuple[float, concurrent.futures.Future | None]] = {}
+        self.pad_id = pad_id if pad_id is not None else _pad_id(service.tokenizer)
+        self.strategy = STRATEGIES[cfg.trainer.asynchrony.mode](self)
+
+    def submit(self, step: int) -> None:
+        """Start step ``step``'s rollouts (the turn schedule may switch the budgets from this step)."""
+        tc = self.cfg.trainer
+        if self.schedule_switched_at is None and schedule_due(step, tc.turn_schedule, self._lengths):
+            self.rollout_cfg, self.schedule_switched_at = switched(self.cfg.rollout, tc.turn_schedule), step
+            log.info("turn schedule: %d turns, %d tokens from step %d", self.rollout_cfg.max_turns,
+                     self.rollout_cfg.max_response_tokens, step)
+        t0 = time.perf_counter()  # the step's rollout clock starts before the strategy's start-up
+        self._pending[step] = (t0, self.strategy.submit(step))
+
+    def submitted(self, step: int) -> bool:
+        return step in self._pending
+
+    @property
+    def idle(self) -> bool:
+        """No rollouts in flight or running ahead (the engine may free its memory)."""
+        return not self._pending and not self.strategy.running
+
+    def drain(self, step: int) -> None:
+        """Wait until ``step``'s rollouts have finished generating (a failure is left to ``produce``)."""
+        if step in self._pending and self._pending[step][1] is not None:
+            release_idle_threads()
+            concurrent.futures.wait([self._pending[step][1]])
+
+    def produce(self, step: int) -> Produced:
+        """Step ``step``'s groups, metrics, hand-off header and each replica's trained rows."""
+        t0, future = self._pending.pop(step)
+        tc = self.cfg.trainer
+        release_idle_threads()  # this thread waits for the engine's: its idle OpenMP team would slow them
+        got, position, ahead, metrics = self.strategy.take(step, future)
+        metrics |= rollout_metrics(got.sampled) | interruption_metrics(got.groups)
+        if stale := self.service.take_stale_responses():  # a server restarted with other weights
+            metrics["rollout/stale_responses_dropped"] = float(stale)
+            log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
+        metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
+        metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
+        self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
+        header = {"data_position": position, "consumed_ahead": ahead, "schedule_switched_at": self.schedule_switched_at,
+                  "budget": [self.rollout_cfg.max_turns, self.rollout_cfg.max_response_tokens],
+                  "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
+        shares = None
+        if got.groups and header["stop"] is None:
+            shares = self._rows(got, header, metrics)
+        metrics["time/rollout"] = time.perf_counter() - t0
+        return Produced(header=header, shares=shares, metrics=metrics, collected=got)
+
+    def _rows(self, got: Collected, header: dict, metrics: dict) -> list[TrainRows] | None:
+        """Row roles and group advantages over every counted row, the rows some token of which is trained,
+        dealt to the replicas (None: no row is trained)."""
+        tc = self.cfg.trainer
+        rt = to_tensors(got.groups, pad_id=self.pad_id)
+        per_token = needs_values(tc.ppo.advantage)  # the critic's GAE fills the advantages in on every rank
+        plan = plan_update(rt, mode=tc.mode, advantage=None if per_token else tc.ppo.advantage,
+                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+        s = rt.rows
+        metrics |= {"filter/rows": float(rt.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
+                    "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
+                    "filter/rows_in_stats": float(plan.stats_B.sum()),
+                    "filter/rows_in_loss": float(plan.trained_B.sum()),
+                    "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
+        if not plan.rows.batch_size:
+            return None
+        r = plan.rows
+        header["mini_batches"] = int(r.mini_batch_B.max()) + 1
+        header["turns"] = int(r.turn_index_BT.max()) + 1
+        # the lag against the weights being trained (the engine's version is the learner's: a sync follows
+        # every update): 0 in synchronous training, 1 with trainer.async=one_step
+        metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT, current=self.service.weight_version)
+        metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
+        return deal_rows(r, self.dp_size)
+
+    def poke(self) -> None:
+        if isinstance(self.strategy, Continuous):
+            self.strategy.poke()
+
+    def stop(self) -> None:
+        self.strategy.stop()
+
+
+def _infra_stop(groups, max_share: float) -> str | None:
+    """The cause when infrastructure ended more than ``max_share`` of the trajectories, else None."""
+    trajs = [t for g in groups for t in g.trajectories]
+    failed = [t for t in trajs if t.status in INFRA_STATUSES]
+    if not trajs or len(failed) <= max_share * len(trajs):
+        return None
+    first = ""
+    if failed[0].turns and failed[0].turns[-1].tool is not None:
+        first = failed[0].turns[-1].tool.result.message or failed[0].turns[-1].tool.status.value
+    return (f"{len(failed)} of {len(trajs)} trajectories of the step were ended by infrastructure failures "
+            f"(more than trainer.stop.infra_failure_share={max_share:g}); stopping before the update"
+            + (f" (first: {' '.join(first.split())[:200]})" if first else ""))
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    assert pad is not None, "the tokenizer has neither a pad nor an EOS token"
+    return int(pad)
