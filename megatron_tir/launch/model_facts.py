@@ -26,6 +26,43 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
         "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
     },
+    # Qwen3 (2025): QK-norm, no qkv bias, head_dim 128 (not hidden/heads); the -Base checkpoints that
+    # zero RL starts from have the same shapes. Cross-checked with slime's scripts/models/qwen3-*.sh.
+    "Qwen3-8B": {
+        "source": "https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json",
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "head_dim": 128,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "attention_bias": False,
+        "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    },
+    "Qwen3-14B": {
+        "source": "https://huggingface.co/Qwen/Qwen3-14B/blob/main/config.json",
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40, "head_dim": 128,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "attention_bias": False,
+        "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    },
+    "Qwen3-32B": {
+        "source": "https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json",
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "head_dim": 128,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "attention_bias": False,
+        "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    },
+    # Qwen3-MoE: 128 experts of width 768, 8 active (renormalised), every layer an MoE layer, no shared expert
+    "Qwen3-30B-A3B": {
+        "source": "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "head_dim": 128,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "attention_bias": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    },
 }
 
 

@@ -356,6 +356,20 @@ def qwen25_32b_simpletir() -> TrainConfig:
                       recompute_method="uniform", recompute_num_layers=1)
 
 
+def qwen3_8b_simpletir() -> TrainConfig:
+    """Qwen3-8B (dense, QK-norm; set model= to the Qwen3-8B-Base directory for zero RL, the same
+    shapes): TP=4 with sequence parallelism, as the 7B (32 heads and 8 KV heads split 4 ways)."""
+    return _simpletir("Qwen3-8B", tp=4, pp=1, sequence_parallel=True)
+
+
+def qwen3_30b_a3b_simpletir() -> TrainConfig:
+    """Qwen3-30B-A3B (MoE: 128 experts, 8 active; set model= to the -Base directory for zero RL): TP=2
+    with sequence parallelism (megatron-core's MoE layer trains under TP only with it), the experts
+    over EP=8 (16 per GPU), full recomputation of every layer for 32K-token micro-batches."""
+    return _simpletir("Qwen3-30B-A3B", tp=2, pp=1, ep=8, sequence_parallel=True, recompute_granularity="full",
+                      recompute_method="uniform", recompute_num_layers=1)
+
+
 def qwen25_7b_textonly() -> TrainConfig:
     """The paper's Table 1 zero-RL baseline: the 7B SimpleTIR recipe with no tool (one turn, no code
     executed; a response without an answer is a wrong answer, not a void turn)."""
@@ -396,6 +410,8 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "qwen2.5-32b-simpletir": qwen25_32b_simpletir,
     "qwen2.5-7b-zerotir": qwen25_7b_zerotir,
     "qwen2.5-7b-textonly": qwen25_7b_textonly,
+    "qwen3-8b-simpletir": qwen3_8b_simpletir,
+    "qwen3-30b-a3b-simpletir": qwen3_30b_a3b_simpletir,
 }
 
 
