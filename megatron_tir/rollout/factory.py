@@ -1,10 +1,16 @@
 """The one place that builds a rollout's generation engine and sandbox (eval and trainer).
 
-* :class:`EngineConfig` says which engine (``local``: the in-process torch engine;
-  ``sglang``: HTTP client of SGLang servers) and for which model;
+* :data:`ENGINE_KINDS` is the registry of engine kinds (``local``: the in-process torch
+  engine; ``sglang``: HTTP client of SGLang servers): per kind an
+  :class:`~megatron_tir.rollout.engines.base.EngineKind` with its config rules, engine builder,
+  weight syncs and launch services, defined in the kind's own files. Nothing outside them
+  compares kind names: a new kind is its files plus one line here (docs/engines.md).
+* :class:`EngineConfig` says which engine and for which model;
   :func:`engine_settings` turns it into the engine's own typed config, whose
   ``__post_init__`` holds the bounds (so they are checked once, there, before anything
-  loads); :func:`build_engine` loads it and returns ``(engine, tokenizer)``.
+  loads); :func:`build_engine` loads it and returns ``(engine, tokenizer)``;
+  :func:`build_engine_sync` (rank 0) and :func:`build_weight_sync` (every trainer rank) give
+  its weight syncs.
 * :class:`SandboxConfig` says where the sandbox broker is (``None``: start a
   :class:`~sandbox_cluster.LocalCluster` with ``workers`` workers, whose constructor
   checks its bounds); :func:`open_sandbox` is a context manager yielding a
@@ -25,14 +31,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, PauseMode, SamplingParams
+from megatron_tir.rollout.engines.base import EngineKind, FinishReason, GenerationEngine, PauseMode, SamplingParams
+from megatron_tir.rollout.engines.local_kind import LOCAL
+from megatron_tir.rollout.engines.sglang.kind import SGLANG
 from megatron_tir.rollout.sandbox import ClusterSandbox, Sandbox
-from megatron_tir.rollout.sync.base import WeightSync
+from megatron_tir.rollout.sync.base import EngineWeightSync, WeightSync
 from sandbox_cluster.protocol import Status
 
 log = logging.getLogger(__name__)
 
-ENGINE_KINDS = ("local", "sglang")
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "local": LOCAL,
+    "sglang": SGLANG,
+}
+
+
+def engine_kind(name: str) -> EngineKind:
+    """The registered kind ``name`` (ValueError naming the known ones)."""
+    try:
+        return ENGINE_KINDS[name]
+    except KeyError:
+        raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {name!r}") from None
 
 
 class InfrastructureError(RuntimeError):
@@ -41,7 +60,7 @@ class InfrastructureError(RuntimeError):
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    kind: str = "local"  # "local" (in-process torch engine, CPU default) | "sglang" (HTTP servers)
+    kind: str = "local"  # an ENGINE_KINDS name: "local" (in-process torch engine, CPU default) | "sglang" (HTTP servers)
     model: str = "smollm2"  # "smollm2", "tiny-qwen2" or an HF model directory (SGLang: its tokenizer)
     urls: tuple[str, ...] = ()  # sglang: server (or router) URLs
     colocated: bool = False  # sglang: servers share the trainer's GPUs (the trainer's weight sync reads it)
@@ -49,15 +68,9 @@ class EngineConfig:
     seed: int = 0  # local: seeds requests that carry no seed of their own
 
     def __post_init__(self) -> None:
-        if self.kind not in ENGINE_KINDS:
-            raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
+        kind = engine_kind(self.kind)
         self.urls = tuple(self.urls)
-        if self.kind == "sglang" and not self.urls:
-            raise ValueError("engine kind 'sglang' needs urls")
-        if self.kind == "local" and self.urls:
-            raise ValueError("engine urls are only used with engine kind 'sglang'")
-        if self.kind == "local" and self.colocated:
-            raise ValueError("engine colocated is only used with engine kind 'sglang'")
+        kind.check(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,19 +97,7 @@ def resolve_model_dir(cfg: EngineConfig) -> Path:
 
 def engine_settings(cfg: EngineConfig, model_dir: Path):
     """The engine's own config for ``cfg`` (checks its bounds; loads nothing but the tokenizer for SGLang)."""
-    if cfg.kind == "local":
-        from megatron_tir.rollout.engines.local import LocalEngineConfig
-
-        return LocalEngineConfig(model=str(model_dir), max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-    from transformers import AutoTokenizer
-
-    from megatron_tir.rollout.engines.eos import resolve_eos_token_ids
-    from megatron_tir.rollout.engines.sglang import SGLangEngineConfig
-    from megatron_tir.rollout.engines.sglang.client import checkpoint_bytes, load_wait_s
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return SGLangEngineConfig(server_urls=cfg.urls, eos_token_ids=resolve_eos_token_ids(model_dir, tokenizer=tokenizer),
-                              restart_timeout_s=load_wait_s(checkpoint_bytes(model_dir)))  # as long as a load takes
+    return engine_kind(cfg.kind).settings(cfg, model_dir)
 
 
 def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=None) -> tuple[GenerationEngine, object]:
@@ -107,47 +108,24 @@ def build_engine(cfg: EngineConfig, *, model_dir: Path | None = None, settings=N
     """
     model_dir = resolve_model_dir(cfg) if model_dir is None else Path(model_dir)
     settings = engine_settings(cfg, model_dir) if settings is None else settings
-    if cfg.kind == "local":
-        from megatron_tir.rollout.engines.local import LocalEngine
-
-        engine = LocalEngine(settings)
-        return engine, engine.tokenizer
-    from transformers import AutoTokenizer
-
-    from megatron_tir.rollout.engines.sglang import SGLangEngine
-
-    return SGLangEngine(settings), AutoTokenizer.from_pretrained(model_dir)
+    return engine_kind(cfg.kind).build(cfg, settings, model_dir)
 
 
-def syncs_per_stage(cfg: EngineConfig) -> bool:
-    """Whether the trainer's weights reach ``cfg``'s engine from every pipeline stage's sender
-    (SGLang servers on GPUs of their own: :mod:`megatron_tir.rollout.sync.stages`, built on every
-    trainer rank) rather than through the rank holding the engine (:func:`build_weight_sync`)."""
-    return cfg.kind == "sglang" and not cfg.colocated
+def build_engine_sync(cfg: EngineConfig, engine: GenerationEngine, *,
+                      pause_mode: PauseMode = PauseMode.ABORT) -> EngineWeightSync | None:
+    """On the rank holding ``engine`` (built by :func:`build_engine` from ``cfg``): its weight sync
+    (``await sync.start()`` before the first ``update``, on the engine's event loop; ``offload``
+    before training), or None where the kind's weights go from every rank (:func:`build_weight_sync`
+    alone). ``pause_mode``: what a sync does with requests in flight (``retract``: they wait and
+    continue under the new weights, ``trainer.async=full``)."""
+    return engine_kind(cfg.kind).engine_sync(cfg, engine, pause_mode)
 
 
-def build_weight_sync(cfg: EngineConfig, engine: GenerationEngine, *,
-                      pause_mode: PauseMode = PauseMode.ABORT) -> WeightSync:
-    """The weight sync for ``engine`` (built by :func:`build_engine` from ``cfg``) on the rank holding
-    it; ``await sync.start()`` before the first ``update``, on the engine's event loop. (The
-    trainer uses the per-stage sync where :func:`syncs_per_stage`; this one serves single-process
-    callers there.) ``pause_mode``: what a sync does with requests in flight (``retract``: they
-    wait and continue under the new weights, ``trainer.async=full``)."""
-    if cfg.kind == "local":
-        from megatron_tir.rollout.sync.local import LocalWeightSync
-
-        return LocalWeightSync(engine, pause_mode=pause_mode)
-    from megatron_tir.rollout.sync import sglang as ws
-
-    if cfg.colocated:
-        return ws.TensorWeightSync(engine, pause_mode=pause_mode)
-    import socket
-
-    from megatron_tir.ports import free_port
-
-    return ws.DistributedWeightSync(engine, ws.DistributedWeightSyncConfig(master_address=socket.getfqdn(),
-                                                                           master_port=free_port(),
-                                                                           pause_mode=pause_mode))
+def build_weight_sync(cfg: EngineConfig, service, *, pause_mode: PauseMode = PauseMode.ABORT) -> WeightSync:
+    """The trainer's weight sync for ``cfg``'s engine, built and started on every rank at once
+    (``update(source)`` on every rank); ``service``: rank 0's rollout service (its ``engine``,
+    ``submit`` and ``sync_from``), None on the other ranks."""
+    return engine_kind(cfg.kind).weight_sync(cfg, service, pause_mode)
 
 
 @contextlib.contextmanager
@@ -205,7 +183,7 @@ async def check_sandbox(sandbox: Sandbox, cfg: SandboxConfig, *, timeout_s: floa
 
 async def check_engine(engine: GenerationEngine, tokenizer, cfg: EngineConfig, *, timeout_s: float = 120.0) -> None:
     """The start-up check of eval and the trainer: the engine answers a 1-token request."""
-    where = ", ".join(cfg.urls) if cfg.kind == "sglang" else f"local engine ({cfg.model})"
+    where = engine_kind(cfg.kind).where(cfg)
     await probe_engine(engine, tokenizer, timeout_s=timeout_s, what=f"engine {where}")
 
 

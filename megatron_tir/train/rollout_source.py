@@ -34,13 +34,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from megatron_tir.openmp import release_idle_threads
-from megatron_tir.rollout.factory import InfrastructureError, syncs_per_stage
+from megatron_tir.rollout.factory import InfrastructureError, build_weight_sync
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.rollout.batch import weight_version_metrics
-from megatron_tir.rollout.sync import drain
 from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
@@ -124,30 +121,22 @@ class RolloutSource:
             if header["error"] is not None:
                 self._handoff.close()
                 raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
-        self.stage_sync = None  # SGLang servers of their own: every stage's sender sends its weights
-        self._syncs = 0  # per-stage syncs started: the hand-off key each waits on
-        if syncs_per_stage(cfg.engine):
-            try:
-                self.stage_sync = self._start_stage_sync()
-            except BaseException:
-                self.close()
-                raise
+        self.weights = None  # the engine kind's weight sync, on every rank (update(source))
+        self._syncs = 0  # syncs that waited for rank 0 first: the hand-off key each waits on
+        try:
+            self.weights = self._start_weight_sync()
+        except BaseException:
+            self.close()
+            raise
 
-    def _start_stage_sync(self):
-        import socket
-
-        from megatron_tir.rollout.sync.stages import StageWeightSync, StageWeightSyncConfig
-
+    def _start_weight_sync(self):
+        """The engine kind's :class:`~megatron_tir.rollout.sync.base.WeightSync`, built and started on
+        every rank at once (``megatron_tir.rollout.factory.ENGINE_KINDS``); with ``trainer.async=full``
+        a sync retracts the requests in flight, which continue under the new weights."""
         from megatron_tir.rollout.engines.base import PauseMode
 
-        config = StageWeightSyncConfig(backend="nccl" if torch.cuda.is_available() else "gloo",
-                                       address=socket.getfqdn(),  # full: requests in flight wait and continue
-                                       pause_mode=PauseMode.RETRACT if self.full else PauseMode.ABORT)
-        service = self.service
-        sync = StageWeightSync(config, engine=None if service is None else service.engine,
-                               submit=None if service is None else service.submit)
-        sync.start()
-        return sync
+        return build_weight_sync(self.cfg.engine, self.service,
+                                 pause_mode=PauseMode.RETRACT if self.full else PauseMode.ABORT)
 
     @property
     def rollout_cfg(self):
@@ -328,9 +317,9 @@ class RolloutSource:
         self.forget(f"offload/{step - 2}")
 
     def sync_weights(self, learner) -> None:
-        """The learner's weights into rank 0's engine (collective: every rank calls it); per stage
-        where the servers have GPUs of their own (``megatron_tir.rollout.sync.stages``)."""
-        if self.stage_sync is not None:
+        """The learner's weights into the engine (collective: every rank calls it), through the engine
+        kind's weight sync (``megatron_tir.rollout.sync``)."""
+        if self.weights.wait_for_rank0:
             # the other ranks wait for rank 0 (which may first drain a step of rollouts: minutes) by
             # polling the store as long as rank 0 lives, not inside the sync's collectives (a group's timeout)
             key = f"sync/{self._syncs}"
@@ -340,12 +329,8 @@ class RolloutSource:
                 self._handoff.forget(f"sync/{self._syncs - 2}")  # every rank read it: they synced together since
             else:
                 self._handoff.receive(key, what="rank 0 to start the weight sync")
-            with self._engine_paused():
-                self.stage_sync.update(learner)
-        elif self.rank == 0:
-            self.service.sync_from(learner)
-        else:
-            drain(learner.named_hf_buckets())
+        with self._engine_paused():
+            self.weights.update(learner)
         if self._producer is not None:  # full: the new version may admit more groups
             self.service.runner.run(self._producer.poke())
 
@@ -365,9 +350,9 @@ class RolloutSource:
                 self.service.runner.run(self._producer.stop())
             except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
                 log.exception("stopping the group producer")
-        if getattr(self, "stage_sync", None) is not None:
-            self.stage_sync.close()
-            self.stage_sync = None
+        if getattr(self, "weights", None) is not None:
+            self.weights.close()
+            self.weights = None
         if self.service is not None:
             self.service.close()
 

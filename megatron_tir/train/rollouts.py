@@ -22,13 +22,7 @@ from megatron_tir.data.problems import Problem
 from megatron_tir.observe.heartbeat import phase_progress
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
 from megatron_tir.rollout.engines.base import PauseMode
-from megatron_tir.rollout.factory import (
-    EngineConfig,
-    SandboxConfig,
-    build_weight_sync,
-    open_rollout_parts,
-    syncs_per_stage,
-)
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine_sync, open_rollout_parts
 from megatron_tir.rollout.event_loop import EventLoopThread
 from megatron_tir.rollout.instrument import EngineActivity
 
@@ -56,9 +50,9 @@ class RolloutService:
         self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
                                                                     parts.tokenizer)
         self.activity = EngineActivity(self.engine)
-        self.weight_sync = None  # per-stage: every trainer rank's StageWeightSync (the rollout source's)
-        if not syncs_per_stage(engine_cfg):
-            self.weight_sync = build_weight_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
+        # None where the kind's weights go from every rank (the rollout source's WeightSync)
+        self.weight_sync = build_engine_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
+        if self.weight_sync is not None:
             self.runner.run(self.weight_sync.start())
             self._stack.callback(lambda: self.runner.run(self.weight_sync.close()))
 
@@ -103,13 +97,15 @@ class RolloutService:
         """The engine's weight version now (one more after every sync)."""
         return self.engine.weight_version
 
-    def sync_from(self, learner) -> int:
-        """The learner's current weights into the engine; returns its new weight version
-        (collective: the other ranks call ``drain(learner.named_hf_buckets())`` at the same time)."""
+    def sync_from(self, source) -> int:
+        """Rank 0's side of a :class:`~megatron_tir.rollout.sync.base.Rank0WeightSync`: ``source``'s
+        (a :class:`~megatron_tir.policy.weight_source.WeightSource`) current weights into the engine,
+        on the service's event loop; returns its new weight version (collective: the other ranks
+        drain ``source.named_hf_buckets()`` at the same time)."""
         if self.weight_sync is None:
-            raise RuntimeError("this engine is synced per stage (RolloutSource.sync_weights on every rank)")
+            raise RuntimeError("this engine is synced from every rank (RolloutSource.sync_weights)")
         with self.activity.paused():
-            return self.runner.run(self.weight_sync.update(learner.named_hf_buckets()))
+            return self.runner.run(self.weight_sync.update(source.named_hf_buckets()))
 
     def close(self) -> None:
         self._stack.close()

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from megatron_tir.rollout.factory import EngineConfig
+    from megatron_tir.rollout.sync.base import EngineWeightSync, WeightSync
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -157,3 +162,50 @@ class GenerationEngine(Protocol):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
 
     async def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- engine kinds
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ServerPlan:
+    """The generation servers one node of a launch runs: the launcher renders each as an agent
+    service (``megatron_tir.launch``); the kind says what each one's command is."""
+    model_path: str
+    host: str
+    first_port: int  # server i listens on first_port + i
+    count: int
+    tp: int  # GPUs per server (server i on GPUs i*tp .. i*tp + tp - 1 of those it sees)
+    mem_fraction_static: float
+    colocated: bool
+    python: str  # the interpreter that runs a server's module
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EngineKind:
+    """One engine kind, as :data:`megatron_tir.rollout.factory.ENGINE_KINDS` holds it by name: a new
+    kind is its own files (the engine, its syncs, one of these) plus one line there.
+
+    * ``check(cfg)``: the kind's rules on an :class:`~megatron_tir.rollout.factory.EngineConfig`
+      (ValueError, one line; run by its ``__post_init__``); ``where(cfg)``: the engine as the
+      start-up check names it.
+    * ``settings(cfg, model_dir)``: the engine's own typed config (its bounds checked there, before
+      anything loads); ``build(cfg, settings, model_dir)``: ``(engine, tokenizer)``.
+    * ``engine_sync(cfg, engine, pause_mode)``: on the rank holding the engine, its
+      :class:`~megatron_tir.rollout.sync.base.EngineWeightSync` (also its ``offload`` before
+      training), or None when the kind's weights go from every rank instead.
+    * ``weight_sync(cfg, service, pause_mode)``: the trainer's
+      :class:`~megatron_tir.rollout.sync.base.WeightSync`, built and started on every rank at
+      once; ``service`` is rank 0's rollout service (``engine``, ``submit``, ``sync_from``) and
+      None elsewhere.
+    * ``servers(plan)``: ``(service name, argv)`` per server a launch starts for the kind
+      (:class:`ServerPlan`); None: the engine runs inside the trainer.
+    """
+    check: Callable[[EngineConfig], None]
+    where: Callable[[EngineConfig], str]
+    settings: Callable[[EngineConfig, Path], Any]
+    build: Callable[[EngineConfig, Any, Path], tuple[GenerationEngine, Any]]
+    engine_sync: Callable[[EngineConfig, GenerationEngine, PauseMode], EngineWeightSync | None]
+    weight_sync: Callable[[EngineConfig, Any, PauseMode], WeightSync]
+    servers: Callable[[ServerPlan], list[tuple[str, list[str]]]] | None = None

@@ -1,6 +1,15 @@
-"""What every weight sync is: the learner's HF-named buckets into one kind of engine.
+"""What every weight sync is: the trainer's weights into one kind of engine.
 
-A sync owns the whole update of its engine -- pause, load, flush, resume -- so nothing
+Two layers. :class:`WeightSync` is the trainer's one contract, the same on every rank and for
+every engine kind: ``update(source)`` with the policy's
+:class:`~megatron_tir.policy.weight_source.WeightSource`, called by every rank at the same time
+(the per-stage SGLang sync, :mod:`megatron_tir.rollout.sync.stages`, is one). An engine that
+only the rank holding it can reach has an :class:`EngineWeightSync` (rank 0, coroutines on the
+engine's event loop, buckets in: ``local``, ``sglang``'s colocated and broadcast syncs), put on
+every rank by :class:`Rank0WeightSync`: rank 0 loads, the other ranks drain their part of the
+buckets' collectives. ``megatron_tir.rollout.factory.ENGINE_KINDS`` says which a kind uses.
+
+An engine sync owns the whole update of its engine -- pause, load, flush, resume -- so nothing
 else pauses an engine. Where the engine shares the trainer's devices (colocated SGLang,
 the in-process LocalEngine) ``offload()`` runs before each training phase: it pauses
 generation and releases the engine's memory (``weights``, ``kv_cache``, ``cuda_graph``);
@@ -17,18 +26,56 @@ come from (``Learner.named_hf_buckets`` relays every stage's to rank 0;
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from megatron_tir.policy.weight_source import WeightSource
 
 Tensors = list[tuple[str, "torch.Tensor"]]
 Bucket = tuple[int, Tensors]  # (pipeline stage, tensors)
 
 
 class WeightSync(Protocol):
-    """One engine's weight transport; coroutines on the engine's event loop."""
+    """The trainer's weight sync: every rank calls each method at the same time (a collective)."""
+
+    # True: ``update`` starts with collectives among the trainer ranks, so the caller first lets the
+    # other ranks wait for rank 0 through the hand-off (bounded by rank 0's heartbeat, not a group's
+    # timeout: rank 0 may drain a step of rollouts before it syncs)
+    wait_for_rank0: bool
+
+    def update(self, source: WeightSource) -> int | None:
+        """Load ``source``'s current weights into the engine; the engine's new weight version on
+        the rank holding it (None or the same elsewhere)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Rank0WeightSync:
+    """A sync only rank 0 drives, on every rank: rank 0's ``load(source)`` (the rollout service
+    running its :class:`EngineWeightSync` on the engine's event loop); every other rank drains
+    ``source.named_hf_buckets()``, its part of the collective export."""
+
+    wait_for_rank0 = False  # the export's collectives are the only ones, and rank 0 takes part at once
+
+    def __init__(self, load: Callable[[WeightSource], int] | None) -> None:
+        self.load = load  # rank 0 only
+
+    def update(self, source: WeightSource) -> int | None:
+        if self.load is None:
+            drain(source.named_hf_buckets())
+            return None
+        return self.load(source)
+
+    def close(self) -> None:
+        return None  # the engine sync is closed with the service that started it
+
+
+class EngineWeightSync(Protocol):
+    """One engine's weight transport on the rank holding it; coroutines on the engine's event loop."""
 
     async def start(self) -> None:
         """Connect (join a process group, read the servers' weight version); once, before ``update``."""

@@ -61,6 +61,7 @@ from megatron_tir.rollout.sync.base import FLATTENED, Bucket, check_bucket, flat
 from megatron_tir.rollout.sync.sglang import SYNC_PAUSE_MODES, _daemon_call, _run_sync, new_trainer_process_group
 
 if TYPE_CHECKING:
+    from megatron_tir.policy.weight_source import WeightSource
     from megatron_tir.rollout.engines.sglang.client import SGLangEngine
 
 log = logging.getLogger(__name__)
@@ -250,8 +251,11 @@ class StageWeightSync:
 
     Rank 0 passes the engine and ``submit`` (runs a coroutine on the engine's event loop and
     returns a ``concurrent.futures.Future``, e.g. ``EventLoopThread.submit``); other ranks pass
-    neither. Build it on every rank at once (it makes a gloo group of all ranks).
+    neither. Build it on every rank at once (it makes a gloo group of all ranks). The trainer's
+    :class:`~megatron_tir.rollout.sync.base.WeightSync`: ``update(source)`` on every rank.
     """
+
+    wait_for_rank0 = True  # update starts with collectives on ``group`` (coordination_timeout_s)
 
     def __init__(self, config: StageWeightSyncConfig, *, engine: SGLangEngine | None = None,
                  submit: Submit | None = None) -> None:
@@ -383,8 +387,8 @@ class StageWeightSync:
             world, error = self._on_rank0(check())
         self._build_groups(self._raise_any(error, "start", world))
 
-    def update(self, learner) -> int:
-        """One sync of ``learner``'s weights (every rank); returns the engine's new weight version."""
+    def update(self, source: WeightSource) -> int:
+        """One sync of ``source``'s weights (every rank); returns the engine's new weight version."""
         plan, error = None, None
         if self.rank == 0:
             async def check() -> tuple[bool, int | None]:
@@ -401,14 +405,14 @@ class StageWeightSync:
         cfg = self.config
         announced = None
         if self.rank == 0:
-            announced = (learner.bucket_layout(cfg.bucket_bytes), str(learner.weight_dtype).removeprefix("torch."))
+            announced = (source.bucket_layout(cfg.bucket_bytes), str(source.weight_dtype).removeprefix("torch."))
         layout, dtype = self._from_rank0(announced)  # what the servers will allocate: each sender checks against it
         transfer = None
         if self.rank == 0:
             transfer = self.submit(self._transfer(layout, dtype))
         error = None
         try:
-            buckets = learner.stage_buckets(cfg.bucket_bytes)
+            buckets = source.stage_buckets(cfg.bucket_bytes)
             if self.sender is not None:
                 self.sender.send(buckets, flattened=cfg.load_format == FLATTENED, stage=self.stage,
                                  layout=layout[self.stage], dtype=dtype)

@@ -24,6 +24,8 @@ class CollectiveSync:
     """Stands in for StageWeightSync: its ``update`` starts with a collective on a gloo group of
     every rank with a short timeout, as the real one's coordination group (``coordination_timeout_s``)."""
 
+    wait_for_rank0 = True  # as StageWeightSync: the source lets the other ranks wait for rank 0 first
+
     def __init__(self) -> None:
         self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         self.updates = 0
@@ -45,13 +47,13 @@ def late_rank0_sync(rank: int, world: int, out: str) -> None:
     init_parallel(1, 1, timeout_s=GROUP_TIMEOUT_S)
     with RolloutSource(source_config(), service_factory=CraftedService, pad_id=0, poll_s=0.5,
                        alive_timeout_s=30.0) as source:
-        source.stage_sync = CollectiveSync()
+        source.weights = CollectiveSync()
         t0 = time.monotonic()
         for sync in range(2):
             if rank == 0:
                 time.sleep(RANK0_LATE_S)  # the drain of a step of rollouts
             source.sync_weights(f"weights {sync}")
-        torch.save({"waited": time.monotonic() - t0, "updates": source.stage_sync.updates}, f"{out}/rank{rank}.pt")
+        torch.save({"waited": time.monotonic() - t0, "updates": source.weights.updates}, f"{out}/rank{rank}.pt")
 
 
 def test_ranks_wait_for_a_late_rank_0_longer_than_the_sync_groups_timeout(tmp_path):
