@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.policy.build import build_gpt_model, te_available
+from megatron_tir.policy.routing import RoutingTap
 from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, read_meta, resolve_checkpoint
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.policy.learner_contract import AGGREGATIONS, KEEP_METRIC, LossFn, LossInputs, OutputFn, StepResult, TrainBatch
@@ -134,9 +135,12 @@ class Learner:
         if config.pp > 1:  # stages exchange each micro-batch's shape; megatron-core refuses that with the
             overrides["moe_token_dispatcher_type"] = "alltoall"  # (unused here) allgather MoE dispatcher
         overrides.update(config.transformer_overrides())
+        if self.spec.is_moe:  # each router keeps megatron-core's RouterReplay (policy.routing)
+            overrides["moe_enable_routing_replay"] = True
         use_te = True if config.fp8 else te_available()
         self.value_head = config.head == "value"
         model = build_gpt_model(self.spec, use_te=use_te, value_head=self.value_head, **overrides)
+        self.routing = RoutingTap(model, self.spec) if self.spec.is_moe else None  # MoE: record / replay routing
         skip = (VALUE_HEAD_KEY,) if self.value_head else ()  # a critic starts from the policy's backbone
         if source.checkpoint is not None:
             from megatron_tir.policy.checkpoint.megatron_io import load_model
@@ -227,6 +231,8 @@ class Learner:
 
         def forward_step(data_iterator, model):
             mb, tokens_bL = next(data_iterator)
+            if self.routing is not None:
+                self.routing.micro_batch = mb
             position_ids_bL = torch.arange(tokens_bL.shape[1], device=device).expand_as(tokens_bL)
             output = model(input_ids=tokens_bL, position_ids=position_ids_bL, attention_mask=None)
             if tick is not None:
@@ -237,6 +243,17 @@ class Learner:
         return self._pipeline_schedule()(forward_step_func=forward_step, data_iterator=it, model=[self._model],
                                 num_microbatches=len(items), seq_length=longest,
                                 micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only)
+
+    def _routed(self, attention_mask_BT: torch.Tensor, local_rows: bool, run: Callable[[], list]) -> list:
+        """``run()`` with an MoE model's routing recorded (and replayed inside ``routing.replaying``)."""
+        if self.routing is None:
+            return run()
+        from megatron.core import parallel_state
+
+        self.routing.begin(attention_mask_BT)
+        out = run()
+        self.routing.end(dealt=not local_rows and parallel_state.get_data_parallel_world_size() > 1)
+        return out
 
     @staticmethod
     def _check_batch(tokens_BT: torch.Tensor | None, attention_mask_BT: torch.Tensor, *, local_rows: bool) -> None:
@@ -303,7 +320,8 @@ class Learner:
 
         self._model.eval()
         with torch.no_grad():
-            results = self._run(micro_batches, tokens_BT, loss_for, forward_only=True, tick=tick)
+            results = self._routed(attention_mask_BT, local_rows, lambda: self._run(
+                micro_batches, tokens_BT, loss_for, forward_only=True, tick=tick))
         last = parallel_state.is_pipeline_last_stage()
         if local_rows and not last:
             return dict.fromkeys(names)
@@ -434,7 +452,8 @@ class Learner:
         self._model.train()
         self._model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(micro_batches, batch.tokens_BT, loss_for, forward_only=False)
+        reports = self._routed(batch.attention_mask_BT, local_rows,
+                               lambda: self._run(micro_batches, batch.tokens_BT, loss_for, forward_only=False))
         t_fb = time.perf_counter()
         totals = self._sum_reports(reports)
         total = totals.pop(_TOTAL, 0.0)  # the same count as above, now on every stage

@@ -46,3 +46,24 @@ def hf_dir_with(weights: dict, like, out):
             shutil.copy(f, out / f.name)
     save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def routing_run(rank: int, world: int, ep: int, out: str) -> None:
+    """Tiny Qwen3-MoE at EP=``ep`` (dp = ep: rows dealt over the replicas): the routing recorded in an
+    old pass, then, after two large updates, a replayed update's routing and its changed share."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(1, 1, ep=ep)
+    learner = Learner(LearnerConfig(model="tiny-qwen3-moe", lr=5e-2, max_tokens_per_microbatch=24, ep=ep))
+    probe = make_batch(1)
+    learner.logprobs(probe.tokens_BT, probe.attention_mask_BT)
+    record = learner.routing.recorded.clone()
+    for seed in (2, 3):
+        learner.train_step(make_batch(seed), ppo_loss)
+    with learner.routing.replaying(record):
+        learner.train_step(probe, ppo_loss)
+    if rank == 0:
+        torch.save({"record": record, "replayed": learner.routing.recorded.clone(),
+                    "changed": learner.routing.changed_share}, out)

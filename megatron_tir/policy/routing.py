@@ -1,0 +1,164 @@
+"""MoE routing of the learner's forward passes: recorded per token, replayed in a later pass.
+
+Routing replay (slime ``--use-routing-replay``, NeMo-RL's router replay, arXiv 2507.18071): the
+experts each token was routed to when the old log-probs were computed are reused in the policy
+update, so that the importance ratio compares the same sub-networks. megatron-core 0.16 gives
+every ``TopKRouter`` a ``RouterReplay`` (``moe_enable_routing_replay``) whose ``REPLAY_FORWARD``
+action routes to given top-k indices (their probabilities renormalised from the router's own
+scores, as its top-k would be); ``RoutingTap`` drives those per micro-batch through hooks on this
+stage's routers, and keeps the per-token record:
+
+* ``RoutingTap.recorded`` after a pass: ``[B, T, layers of this stage, k]`` int16 expert ids of
+  each row's tokens (sorted ascending; -1 on padding), the same on every rank of the stage (one
+  all-reduce over the data-parallel group when the rows were dealt over replicas).
+* ``with tap.replaying(record):`` the passes inside route every token to ``record``'s experts (same
+  ``[B, T]`` rows as the pass's batch).
+* ``tap.changed_share`` after a pass with a reference record (the replayed one, or ``compare_to``):
+  the share of (token, layer) pairs whose own top-k set -- what the router computes from its current
+  weights, replayed or not -- differs from the reference's: the "top-k changed" metric.
+
+Not covered: activation recomputation of the MoE layer with replay (the recomputed forward would
+need megatron-core's ``REPLAY_BACKWARD`` queue; ``replaying`` refuses it), token dropping
+(capacity factors), and the engine's own routing (SGLang's routed-experts output: ``rollout`` mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class RoutingTap:
+    """Hooks on one model stage's MoE routers (see the module docstring)."""
+
+    def __init__(self, model, spec) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        if not self.routers or any(r.router_replay is None for r in self.routers):
+            raise ValueError("routing needs an MoE model built with moe_enable_routing_replay=True")
+        self.k = spec.moe_router_topk
+        self.recompute = getattr(model.config, "recompute_granularity", None) == "full"
+        self.micro_batch = None  # set by the learner before each micro-batch's forward
+        self.recorded: torch.Tensor | None = None
+        self.changed_share: float | None = None
+        self._replay: torch.Tensor | None = None
+        self._reference: torch.Tensor | None = None
+        self._shape: tuple[int, int] | None = None
+        self._natural: dict[int, torch.Tensor] = {}
+        self._changed = torch.zeros(2, dtype=torch.float64)  # changed pairs, pairs
+        for layer, router in enumerate(self.routers):
+            router.register_forward_pre_hook(self._before(layer))
+            router.register_forward_hook(self._after(layer))
+
+    # ------------------------------------------------------------------ the learner's calls
+
+    def begin(self, attention_mask_BT: torch.Tensor) -> None:
+        """A pass over the ``[B, T]`` batch starts."""
+        b, t = attention_mask_BT.shape
+        if self._replay is not None and tuple(self._replay.shape[:2]) != (b, t):
+            raise ValueError(f"routing record of {tuple(self._replay.shape[:2])} rows x tokens does not fit the "
+                             f"batch's {(b, t)}")
+        self._shape = (b, t)
+        self.recorded = torch.full((b, t, len(self.routers), self.k), -1, dtype=torch.int16)
+        self._changed.zero_()
+
+    def end(self, *, dealt: bool) -> None:
+        """The pass ended; ``dealt``: its rows were dealt over the data-parallel replicas (gather them)."""
+        from megatron.core import parallel_state
+
+        if dealt and parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
+            shifted = self.recorded.to(torch.int32) + 1  # each row is filled by one replica, 0 elsewhere
+            torch.distributed.all_reduce(shifted, op=torch.distributed.ReduceOp.MAX, group=group)
+            self.recorded = (shifted - 1).to(torch.int16)
+            torch.distributed.all_reduce(self._changed, group=group)
+        reference = self._replay if self._replay is not None else self._reference
+        self.changed_share = (float(self._changed[0] / self._changed[1])
+                              if reference is not None and self._changed[1] > 0 else None)
+        for router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+        self.micro_batch = None
+
+    @contextlib.contextmanager
+    def replaying(self, record: torch.Tensor) -> Iterator[None]:
+        """Passes inside route each token of the batch to ``record``'s experts."""
+        if self.recompute:
+            raise ValueError("routing replay with full activation recomputation is not supported")
+        self._check(record)
+        self._replay = record
+        try:
+            yield
+        finally:
+            self._replay = None
+
+    @contextlib.contextmanager
+    def compare_to(self, record: torch.Tensor) -> Iterator[None]:
+        """Passes inside route freely and report ``changed_share`` against ``record``."""
+        self._check(record)
+        self._reference = record
+        try:
+            yield
+        finally:
+            self._reference = None
+
+    def _check(self, record: torch.Tensor) -> None:
+        if record.dim() != 4 or tuple(record.shape[2:]) != (len(self.routers), self.k):
+            raise ValueError(f"routing record must be [B, T, {len(self.routers)}, {self.k}], "
+                             f"got {tuple(record.shape)}")
+
+    # ------------------------------------------------------------------ hooks
+
+    def _tokens(self, record_BTLK: torch.Tensor, layer: int, length: int) -> torch.Tensor:
+        """The micro-batch's ``[L * b, k]`` slice of a record, in the router's token order (sequence major)."""
+        mb = self.micro_batch
+        out = torch.full((len(mb.rows), length, self.k), -1, dtype=torch.long)
+        for i, (row, (start, end)) in enumerate(zip(mb.rows, mb.spans)):
+            out[i, :end - start] = record_BTLK[row, start:end, layer]
+        return out.transpose(0, 1).reshape(-1, self.k)
+
+    def _before(self, layer: int):
+        def hook(router, args):
+            if self.micro_batch is None or self._shape is None:
+                return None  # a forward outside the learner's passes: routed freely, not recorded
+            hidden = args[0]
+            length = hidden.shape[0]
+            logits = torch.nn.functional.linear(hidden.detach().reshape(-1, hidden.shape[-1]).float(),
+                                                router.weight.detach().float())
+            self._natural[layer] = logits.topk(self.k, dim=-1).indices.sort(dim=-1).values.cpu()
+            if self._replay is not None:
+                target = self._tokens(self._replay, layer, length).to(hidden.device)
+                if (target < 0).any():  # padding: any expert (its output is masked); keep the own choice
+                    own = self._natural[layer].to(hidden.device)
+                    target = torch.where(target < 0, own, target)
+                from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+                router.router_replay.target_topk_idx = target
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            return None
+        return hook
+
+    def _after(self, layer: int):
+        def hook(router, args, output):
+            if self.micro_batch is None or self._shape is None:
+                return None
+            _, routing_map = output  # [L * b, experts] bool: the experts the tokens were sent to
+            used = routing_map.detach().nonzero()[:, 1].view(-1, self.k).cpu()
+            length = args[0].shape[0]
+            mb = self.micro_batch
+            used_bLK = used.view(length, len(mb.rows), self.k).transpose(0, 1)
+            natural_bLK = self._natural.pop(layer).view(length, len(mb.rows), self.k).transpose(0, 1)
+            reference = self._replay if self._replay is not None else self._reference
+            for i, (row, (start, end)) in enumerate(zip(mb.rows, mb.spans)):
+                if not mb.weight:
+                    continue  # a stand-in micro-batch (no rows of this rank)
+                self.recorded[row, start:end, layer] = used_bLK[i, :end - start].to(torch.int16)
+                if reference is not None:
+                    ref = reference[row, start:end, layer].to(torch.long).sort(dim=-1).values
+                    self._changed[0] += (natural_bLK[i, :end - start] != ref).any(dim=-1).sum().item()
+                    self._changed[1] += end - start
+            return None
+        return hook
