@@ -74,6 +74,7 @@ from megatron_tir.rollout.engines.base import (
     pause_mode,
 )
 from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
+from megatron_tir.rollout.engines.hf_names import file_named_tensors
 from megatron_tir.rollout.engines.eos import DEFAULT_EXTRA_EOS_TOKENS, resolve_eos_token_ids
 from megatron_tir.rollout.engines.prefix_cache import PrefixCache, common_prefix
 from megatron_tir.rollout.engines.sampling import sample_tokens
@@ -199,7 +200,7 @@ class LocalEngine:
         )
         self.eos_token_ids: tuple[int, ...] = self._resolve_eos()
         self._eos = frozenset(self.eos_token_ids)
-        self._params = self.model.state_dict()  # HF name -> tensor sharing the model's storage
+        self._params = file_named_tensors(self.model)  # HF file name -> tensor sharing the model's storage
         self._weight_version = 0
         self._seed_rng = random.Random(config.seed)
 
