@@ -84,7 +84,7 @@ def config_from_args(args: argparse.Namespace):
     from megatron_tir.eval.recipes import load_eval_recipe
     from megatron_tir.eval.runner import EVAL_ROLLOUT_DEFAULTS, EvalConfig
     from megatron_tir.rollout.driver import RolloutConfig
-    from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+    from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, engine_kind
     from megatron_tir.tir.prompt import PromptConfig
 
     given: dict[str, dict] = {"": {}, "engine": {}, "sandbox": {}, "rollout": {}, "prompt": {}}
@@ -105,8 +105,9 @@ def config_from_args(args: argparse.Namespace):
                          sandbox=SandboxConfig(**given["sandbox"]), rollout=RolloutConfig(**rollout_kw))
     else:
         base = load_eval_recipe(recipe)
-        if given["engine"].get("kind") == "local" and "urls" not in given["engine"]:
-            given["engine"]["urls"] = ()  # the recipe's server URLs mean nothing to the local engine
+        kind = given["engine"].get("kind")
+        if kind is not None and engine_kind(kind).servers is None and "urls" not in given["engine"]:
+            given["engine"]["urls"] = ()  # the recipe's server URLs mean nothing to an in-process engine
         rollout_kw = dict(given["rollout"])
         if given["prompt"]:
             rollout_kw["prompt"] = dataclasses.replace(base.rollout.prompt, **given["prompt"])

@@ -112,10 +112,11 @@ def _fits_this_node(args, gpus: int) -> bool:
     (launch/gpu_node.py checks the rest)."""
     from megatron_tir.launch.gpu_node import detect_gpus
     from megatron_tir.launch.layout import train_config
+    from megatron_tir.rollout.factory import engine_kind
 
     cfg = train_config(recipe=None if args.resume else args.recipe, run_dir=args.resume, overrides=args.overrides)
     node = detect_gpus()
-    return cfg.engine.kind == "sglang" and node is not None and gpus <= len(node.devices)
+    return engine_kind(cfg.engine.kind).servers is not None and node is not None and gpus <= len(node.devices)
 
 
 def _check_overlap(args, cluster: Cluster, where: str) -> None:

@@ -127,9 +127,12 @@ def check_node(layout: NodeLayout, cfg, *, allow: bool = False) -> None:
     check_plan(plan_run(cfg, layout.cluster), where=where, allow=allow)
 
 
-def gpu_script(spec: RunSpec, layout: NodeLayout, *, model_path: str, python: str = sys.executable) -> str:
-    """The node's bash script: one agent keeping the SGLang servers and the sandbox alive, and torchrun."""
-    from megatron_tir.rollout.engines.sglang.server import SGLangServerConfig
+def gpu_script(spec: RunSpec, layout: NodeLayout, *, model_path: str, python: str = sys.executable,
+               engine: str = "sglang") -> str:
+    """The node's bash script: one agent keeping the SGLang servers and the sandbox alive, and torchrun.
+    ``engine``: the engine kind whose servers run (``EngineKind.servers`` renders their commands)."""
+    from megatron_tir.rollout.engines.base import ServerPlan
+    from megatron_tir.rollout.factory import engine_kind
 
     sandbox_address = f"tcp://127.0.0.1:{SANDBOX_PORT}"
     visible = ",".join(layout.node.devices)
@@ -143,20 +146,19 @@ def gpu_script(spec: RunSpec, layout: NodeLayout, *, model_path: str, python: st
     if not Path(model_path).is_dir():
         lines.append(f"# model {model_path!r} is not a directory here: SGLang and the trainer load it by that name "
                      f"(--set model=/path/to/its/hf/dir for local weights)")
-    for i in range(layout.servers):
-        server = SGLangServerConfig(model_path=model_path, host="127.0.0.1", port=SGLANG_PORT + i,
-                                    tp_size=layout.sglang_tp, base_gpu_id=i * layout.sglang_tp,
-                                    mem_fraction_static=0.5 if layout.colocated else 0.85,
-                                    colocated=layout.colocated, launcher=(python, "-m", "sglang.launch_server"))
-        env = f"CUDA_VISIBLE_DEVICES={','.join(layout.sglang_devices) or visible}"
-        agent += ["--service", f"sglang-{server.port}=env {env} " + shlex.join(server.argv())]
+    plan = ServerPlan(model_path=model_path, host="127.0.0.1", first_port=SGLANG_PORT, count=layout.servers,
+                      tp=layout.sglang_tp, mem_fraction_static=0.5 if layout.colocated else 0.85,
+                      colocated=layout.colocated, python=python)
+    env = f"CUDA_VISIBLE_DEVICES={','.join(layout.sglang_devices) or visible}"
+    for name, argv in engine_kind(engine).servers(plan):
+        agent += ["--service", f"{name}=env {env} " + shlex.join(argv)]
     sandbox = [python, "-m", "sandbox_cluster.cli", "serve", "--bind", sandbox_address,
                "--workers", str(layout.cluster.sandbox.workers_per_node)]
     agent += ["--service", "sandbox=" + shlex.join(sandbox), "--wait-http", ",".join(layout.engine_urls),
               "--wait-tcp", sandbox_address]
     n_train = len(layout.trainer_devices)
     source = ["--resume", spec.run_dir] if spec.resume else ["--recipe", spec.recipe, "--out", spec.run_dir]
-    sets = [*spec.overrides, "engine.kind=sglang", f"engine.urls={','.join(layout.engine_urls)}",
+    sets = [*spec.overrides, f"engine.kind={engine}", f"engine.urls={','.join(layout.engine_urls)}",
             f"engine.colocated={'true' if layout.colocated else 'false'}", f"sandbox.address={sandbox_address}"]
     train = ["env", f"CUDA_VISIBLE_DEVICES={','.join(layout.trainer_devices)}", python, "-m",
              "torch.distributed.run", "--standalone", f"--nproc-per-node={n_train}", "-m", "megatron_tir.cli",

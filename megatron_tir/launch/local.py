@@ -63,10 +63,11 @@ def gpu_node_script(spec: RunSpec, *, sglang_gpus: int | None = None, sglang_tp:
     recipe meets a machine without GPUs, or a node that cannot hold it."""
     from megatron_tir.launch.gpu_node import check_node, detect_gpus, gpu_script, node_layout
     from megatron_tir.launch.layout import train_config
+    from megatron_tir.rollout.factory import engine_kind
 
     cfg = train_config(recipe=None if spec.resume else spec.recipe, run_dir=spec.run_dir if spec.resume else None,
                        overrides=spec.overrides)
-    if cfg.engine.kind != "sglang":
+    if engine_kind(cfg.engine.kind).servers is None:  # the engine runs inside the trainer
         if sglang_gpus is not None or sglang_tp is not None:
             raise ValueError(f"--sglang-gpus / --sglang-tp: recipe {spec.recipe} uses the in-process engine "
                              "(engine.kind=local), no SGLang server")
@@ -83,7 +84,7 @@ def gpu_node_script(spec: RunSpec, *, sglang_gpus: int | None = None, sglang_tp:
     # trainer.async with colocated servers is refused before anything starts
     cfg = apply_overrides(cfg, [f"engine.colocated={'true' if layout.colocated else 'false'}"])
     check_node(layout, cfg, allow=allow)
-    return gpu_script(spec, layout, model_path=cfg.model)
+    return gpu_script(spec, layout, model_path=cfg.model, engine=cfg.engine.kind)
 
 
 def run_local(spec: RunSpec, *, tail_logs: bool = True, base_dir: str | None = None,

@@ -41,9 +41,11 @@ from pathlib import Path
 
 from megatron_tir.launch.cluster import Cluster
 from megatron_tir.launch.spec import RunSpec
-from megatron_tir.rollout.engines.sglang.server import SGLangServerConfig
+from megatron_tir.rollout.engines.base import ServerPlan
+from megatron_tir.rollout.factory import engine_kind
 
 GROUPS = ("trainer", "sglang", "sandbox")  # the allocation's hosts are cut in this order
+SERVER_KIND = "sglang"  # the engine kind (megatron_tir.rollout.factory.ENGINE_KINDS) whose servers the sglang group runs
 TASK_NAME = "run"
 
 
@@ -239,7 +241,7 @@ def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
     sets = ["--set " + shlex.quote(o) for o in spec.overrides]
     if not spec.resume and cluster.model_path(spec.layout.model) != spec.layout.model:
         sets.append("--set " + shlex.quote(f"model={cluster.model_path(spec.layout.model)}"))
-    sets += [f"--set learner.tp={spec.layout.tp}", f"--set learner.pp={spec.layout.pp}", "--set engine.kind=sglang",
+    sets += [f"--set learner.tp={spec.layout.tp}", f"--set learner.pp={spec.layout.pp}", f"--set engine.kind={SERVER_KIND}",
              '--set "engine.urls=$TIR_ENGINE_URLS"',
              f"--set engine.colocated={'true' if cluster.sglang.colocated else 'false'}",
              '--set "sandbox.address=$TIR_SANDBOX_ADDRESS"']
@@ -247,18 +249,14 @@ def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
 
 
 def sglang_services(cluster: Cluster, model: str) -> list[str]:
-    """``--service`` arguments (bash words) for this node's SGLang servers."""
+    """``--service`` arguments (bash words) for this node's SGLang servers (the commands are the
+    engine kind's: ``EngineKind.servers``)."""
     colocated = cluster.sglang.colocated
     mem = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
-    words = []
-    for i in range(cluster.servers_per_node):
-        server = SGLangServerConfig(
-            model_path=cluster.model_path(model), host="0.0.0.0", port=cluster.sglang.port + i,
-            tp_size=cluster.sglang_tp, base_gpu_id=i * cluster.sglang_tp, mem_fraction_static=mem,
-            colocated=colocated, extra_args=tuple(cluster.sglang.extra_args),
-            launcher=("python", "-m", "sglang.launch_server"))
-        words.append(f'--service "sglang-{server.port}={_dq(shlex.join(server.argv()))}"')
-    return words
+    plan = ServerPlan(model_path=cluster.model_path(model), host="0.0.0.0", first_port=cluster.sglang.port,
+                      count=cluster.servers_per_node, tp=cluster.sglang_tp, mem_fraction_static=mem,
+                      colocated=colocated, python="python", extra_args=tuple(cluster.sglang.extra_args))
+    return [f'--service "{name}={_dq(shlex.join(argv))}"' for name, argv in engine_kind(SERVER_KIND).servers(plan)]
 
 
 def sandbox_services(cluster: Cluster, *, head: bool) -> list[str]:
