@@ -60,7 +60,7 @@ class InfrastructureError(RuntimeError):
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    kind: str = "local"  # an ENGINE_KINDS name: "local" (in-process torch engine, CPU default) | "sglang" (HTTP servers)
+    kind: str = "local"  # "local" (in-process torch engine, CPU default) | "sglang" (HTTP servers)
     model: str = "smollm2"  # "smollm2", "tiny-qwen2" or an HF model directory (SGLang: its tokenizer)
     urls: tuple[str, ...] = ()  # sglang: server (or router) URLs
     colocated: bool = False  # sglang: servers share the trainer's GPUs (the trainer's weight sync reads it)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_tir.rollout.engines.base import EngineKind, PauseMode
+from megatron_tir.rollout.sync.base import through_rank0
 
 if TYPE_CHECKING:
     from megatron_tir.rollout.factory import EngineConfig
@@ -38,15 +39,6 @@ def engine_sync(cfg: EngineConfig, engine, pause_mode: PauseMode):
     from megatron_tir.rollout.sync.local import LocalWeightSync
 
     return LocalWeightSync(engine, pause_mode=pause_mode)
-
-
-def through_rank0(cfg: EngineConfig, service, pause_mode: PauseMode):
-    """Every rank's sync of a kind only rank 0 reaches: rank 0's service loads, the others drain."""
-    from megatron_tir.rollout.sync.base import Rank0WeightSync
-
-    if service is None:
-        return Rank0WeightSync(None)
-    return Rank0WeightSync(lambda source: service.sync_from(source))  # looked up at each sync
 
 
 LOCAL = EngineKind(check=check, where=lambda cfg: f"local engine ({cfg.model})", settings=settings, build=build,

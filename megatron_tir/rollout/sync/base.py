@@ -74,6 +74,14 @@ class Rank0WeightSync:
         return None  # the engine sync is closed with the service that started it
 
 
+def through_rank0(cfg, service, pause_mode) -> Rank0WeightSync:
+    """``EngineKind.weight_sync`` of a kind whose engine only rank 0 reaches: rank 0's service
+    (``sync_from``, looked up at each sync) loads, the other ranks (``service`` None) drain."""
+    if service is None:
+        return Rank0WeightSync(None)
+    return Rank0WeightSync(lambda source: service.sync_from(source))
+
+
 class EngineWeightSync(Protocol):
     """One engine's weight transport on the rank holding it; coroutines on the engine's event loop."""
 

@@ -13,7 +13,7 @@ import pytest
 from megatron_tir.rollout.engines import local_kind
 from megatron_tir.rollout.engines.base import EngineKind, ServerPlan
 from megatron_tir.rollout.factory import ENGINE_KINDS, EngineConfig, build_weight_sync, engine_kind
-from megatron_tir.rollout.sync.base import Rank0WeightSync
+from megatron_tir.rollout.sync.base import Rank0WeightSync, through_rank0
 from megatron_tir.rollout.sync.local import LocalWeightSync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,7 +47,7 @@ def toy_check(cfg: EngineConfig) -> None:
 
 TOY = EngineKind(check=toy_check, where=lambda cfg: f"toy engine ({cfg.model})", settings=local_kind.settings,
                  build=local_kind.build, engine_sync=lambda cfg, engine, mode: CountingSync(engine, pause_mode=mode),
-                 weight_sync=local_kind.through_rank0)
+                 weight_sync=through_rank0)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_tir.rollout.engines.base import EngineKind, PauseMode, ServerPlan
-from megatron_tir.rollout.engines.local_kind import through_rank0
+from megatron_tir.rollout.sync.base import through_rank0
 
 if TYPE_CHECKING:
     from megatron_tir.rollout.factory import EngineConfig
