@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_tir.train.config import apply_overrides, from_dict, load_recipe
+from megatron_tir.train.config import apply_overrides, from_dict
+from megatron_tir.train.recipes import load_recipe
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

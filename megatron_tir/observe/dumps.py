@@ -17,7 +17,7 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
   ``infrastructure: tool_failed | aborted``, ``no model tokens``.
 
 The trainer's decisions come in (:class:`RowFate`, from
-:meth:`megatron_tir.train.batch.Collected.fates`: the group filter and the row roles of the
+:meth:`megatron_tir.train.sampling.Collected.fates`: the group filter and the row roles of the
 update); this module only puts them in words, so a dump says what happened. Token ids, loss mask
 and engine log-probs are added with ``trainer.log.dump_tokens=true``.
 """
@@ -85,7 +85,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 @dataclass(frozen=True, slots=True)
 class RowFate:
     """What a step's update did with one sampled trajectory, as the trainer decided it
-    (:meth:`megatron_tir.train.batch.Collected.fates`); :func:`update_records` says why in words."""
+    (:meth:`megatron_tir.train.sampling.Collected.fates`); :func:`update_records` says why in words."""
     in_stats: bool  # its reward entered its group's statistics
     in_loss: bool  # some model token of it got gradient
     advantage: float | None  # mean over its model tokens; None: its group was not used, or a critic's GAE

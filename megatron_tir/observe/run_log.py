@@ -45,7 +45,7 @@ class StepObserver:
         root.addHandler(self._handler)
 
     def sampled(self, step: int, collected) -> None:
-        """After the step's rollouts (``collected``: :class:`megatron_tir.train.batch.Collected`)."""
+        """After the step's rollouts (``collected``: :class:`megatron_tir.train.sampling.Collected`)."""
         self._gen_tokens = sum(t.num_model_tokens for g in collected.sampled for t in g.trajectories)
         if not self.log_cfg.dump_due(step):
             return

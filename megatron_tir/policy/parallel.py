@@ -31,7 +31,8 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
-                  timeout_s: float = 600.0, ep: int = 1, etp: int | None = None) -> None:
+                  timeout_s: float = 600.0, ep: int = 1, etp: int | None = None,
+                  model_parallel_timeout_s: float = 1800.0) -> None:
     """torch.distributed + megatron model-parallel groups for ``tp`` x ``pp`` (x data parallel);
     MoE experts over ``ep`` expert-parallel ranks, each expert split ``etp``-way (megatron-core's
     expert tensor parallelism; None: ``tp``), carved out of the tp x dp ranks of a stage.
@@ -72,10 +73,11 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
             return
         raise ValueError(f"model parallelism is already initialized with tp={have[0]} pp={have[1]} ep={have[2]} "
                          f"etp={have[3]}, not tp={tp} pp={pp} ep={ep} etp={etp} (call destroy_parallel() first)")
-    # megatron-core's own groups (TP, PP, DP, ...) take the same timeout as the default group (its default: 30 min)
+    # megatron-core's own groups (TP, PP, DP, EP, ...): model_parallel_timeout_s (megatron-core's default, 30 min;
+    # the trainer passes trainer.collective_timeout_s for both these and the default group)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                             distributed_timeout_minutes=timeout_s / 60)
+                                             distributed_timeout_minutes=model_parallel_timeout_s / 60)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

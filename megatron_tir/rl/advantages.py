@@ -117,7 +117,9 @@ ESTIMATOR_NAMES: tuple[str, ...] = (*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS)
 
 
 def needs_values(name: str) -> bool:
-    """Whether estimator ``name`` needs a critic's values (ValueError for a name that is no estimator)."""
-    if name not in ESTIMATOR_NAMES:
-        raise ValueError(f"advantage must be one of {', '.join(ESTIMATOR_NAMES)}, got {name!r}")
+    """Whether estimator ``name`` needs a critic's values (ValueError for a name that is no estimator;
+    an estimator added to ADVANTAGE_ESTIMATORS at run time counts)."""
+    if name not in ADVANTAGE_ESTIMATORS and name not in CRITIC_ESTIMATORS:
+        raise ValueError(f"advantage must be one of {', '.join((*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS))}, "
+                         f"got {name!r}")
     return name in CRITIC_ESTIMATORS

@@ -256,21 +256,42 @@ def _offpolicy_metrics(stats: RowStats) -> dict[str, float]:
     return out | {k: v for k, v in stats.maxima.items() if k.startswith("offpolicy/")}
 
 
-def build_algorithm(cfg: TrainConfig, policy, *, reference=None, critic=None):
-    """The algorithm of ``trainer.ppo.advantage``'s family. ``reference`` / ``critic``: learners built by the
-    caller (``None``: built here when the config needs them -- a frozen reference for a KL term, a value
+ALGORITHMS: dict[str, type[PolicyGradient]] = {"policy_gradient": PolicyGradient, "critic_ppo": CriticPPO}
+
+
+def algorithm_class(cfg: TrainConfig) -> type[PolicyGradient]:
+    """The class ``trainer.ppo.algorithm`` names (auto: the estimator's family; a ``module:Class`` import
+    path: a subclass of :class:`PolicyGradient` of your own). One-line ValueError otherwise."""
+    from megatron_tir.import_path import load_object
+
+    name = cfg.trainer.ppo.algorithm
+    if name == "auto":
+        return CriticPPO if needs_values(cfg.trainer.ppo.advantage) else PolicyGradient
+    cls = ALGORITHMS.get(name) or load_object(name, "trainer.ppo.algorithm")
+    if not (isinstance(cls, type) and issubclass(cls, PolicyGradient)):
+        raise ValueError(f"trainer.ppo.algorithm: {name} is not a subclass of megatron_tir.train.algorithm.PolicyGradient")
+    if issubclass(cls, CriticPPO) != needs_values(cfg.trainer.ppo.advantage):
+        raise ValueError(f"trainer.ppo.algorithm={name} does not match trainer.ppo.advantage="
+                         f"{cfg.trainer.ppo.advantage} (a critic's estimators need critic_ppo, the others need none)")
+    return cls
+
+
+def build_algorithm(cfg: TrainConfig, policy, *, reference=None, critic=None) -> PolicyGradient:
+    """The algorithm ``trainer.ppo.algorithm`` names, on ``policy``. ``reference`` / ``critic``: learners built by
+    the caller (``None``: built here when the config needs them -- a frozen reference for a KL term, a value
     learner for an estimator that needs values)."""
     from megatron_tir.policy.learner import Learner
 
+    cls = algorithm_class(cfg)
     if reference is None and (cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0):
         reference = Learner(cfg.learner, frozen=True)  # the initial policy, frozen
-    if not needs_values(cfg.trainer.ppo.advantage):
-        return PolicyGradient(cfg, policy, reference=reference)
+    if not issubclass(cls, CriticPPO):
+        return cls(cfg, policy, reference=reference)
     if critic is None:  # same layout, a value head, its own optimizer
         critic = Learner(dataclasses.replace(cfg.learner, head="value", lr=cfg.critic.lr, min_lr=0.0, warmup_steps=0,
                                              lr_decay_style="constant", lr_decay_steps=None,
                                              model=cfg.critic.model or cfg.learner.model))
-    return CriticPPO(cfg, policy, critic=critic, reference=reference)
+    return cls(cfg, policy, critic=critic, reference=reference)
 
 
 def _phase_bar(progress: bool, desc: str, total: int | None, *, unit: str = "step"):

@@ -29,7 +29,7 @@ RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "tr
 
 
 def _recipe_names() -> str:
-    from megatron_tir.train.config import RECIPES
+    from megatron_tir.train.recipes import RECIPES
 
     return " | ".join(RECIPES)
 
@@ -71,7 +71,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 def fresh_config(args: argparse.Namespace):
     """The config of a new run: ``--recipe`` or ``--config`` with the overrides on top."""
-    from megatron_tir.train.config import apply_overrides, load_recipe
+    from megatron_tir.train.config import apply_overrides
+    from megatron_tir.train.recipes import load_recipe
     from megatron_tir.train.config_file import load_config_file
 
     base = load_recipe(args.recipe) if args.recipe is not None else load_config_file(args.config)
@@ -228,7 +229,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def run_config_command(args: argparse.Namespace) -> int:
     """Print a recipe's resolved config (with the overrides) as YAML, for ``train --config``."""
-    from megatron_tir.train.config import apply_overrides, load_recipe
+    from megatron_tir.train.config import apply_overrides
+    from megatron_tir.train.recipes import load_recipe
     from megatron_tir.train.config_file import dump_yaml
 
     cfg = apply_overrides(load_recipe(args.recipe), overrides_of(args))

@@ -19,7 +19,8 @@ import yaml
 
 from megatron_tir import config_io
 from megatron_tir.config_doc import class_summary, leaves, sections
-from megatron_tir.train.config import ASYNC_KEY, DECIDED_BY, DERIVED_KEYS, RECIPES, TrainConfig, to_dict
+from megatron_tir.train.config import ASYNC_KEY, DECIDED_BY, DERIVED_KEYS, TrainConfig, to_dict
+from megatron_tir.train.recipes import RECIPES
 from megatron_tir.train.config_file import HEADER
 
 WIDTH = 110

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from megatron_tir.rollout import Group, RolloutConfig
 from megatron_tir.rollout.staleness import StalenessBound
-from megatron_tir.train.batch import Collected, filter_groups
+from megatron_tir.train.sampling import Collected, filter_groups
 from megatron_tir.train.data import PromptStream
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ to the other ranks.
 One strategy per ``trainer.async`` mode, chosen once:
 
 * :class:`Rounds` (``off``, ``one_step``): a step's rounds of dynamic sampling
-  (:func:`~megatron_tir.train.batch.collect_groups`) run on the service's event loop as one future;
+  (:func:`~megatron_tir.train.sampling.collect_groups`) run on the service's event loop as one future;
   with ``one_step`` the rollout source submits step + 1's as soon as step's are taken;
 * :class:`Continuous` (``full``): a :class:`~megatron_tir.train.group_producer.GroupProducer`
   generates groups without a break under the staleness bound and each step takes its batch; the
@@ -28,11 +28,12 @@ from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
 from megatron_tir.rollout.batch import weight_version_metrics
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
-from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
+from megatron_tir.train.batch import TrainRows, deal_rows, plan_update, to_tensors
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.group_producer import GroupProducer
 from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
+from megatron_tir.train.sampling import Collected, collect_groups
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,10 @@ class Producer:
         self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
         header = {"data_position": position, "consumed_ahead": ahead, "schedule_switched_at": self.schedule_switched_at,
                   "budget": [self.rollout_cfg.max_turns, self.rollout_cfg.max_response_tokens],
-                  "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
+                  "mini_batches": 0, "turns": 0,
+                  # a dead sandbox broker stops the run with its one line (ClusterSandbox.unavailable)
+                  "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)
+                  or getattr(getattr(self.service, "sandbox", None), "unavailable", None)}
         shares = None
         if got.groups and header["stop"] is None:
             shares = self._rows(got, header, metrics)

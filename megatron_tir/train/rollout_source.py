@@ -18,33 +18,28 @@ hand-off (:meth:`RolloutSource.rank0_phase`).
 A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure
 ended more than ``trainer.stop.infra_failure_share`` of its trajectories.
 
-``trainer.async=full``: ``submit`` starts a :class:`~megatron_tir.train.group_producer.GroupProducer`
-once (groups generated without a break under the staleness bound) and ``next`` takes the step's
-groups from it; the prompt position a checkpoint records is then the first one not consumed, with
-the consumed positions past it (``StepRollouts.data_consumed_ahead``).
+What rank 0 produces, and how (``trainer.async``: off, one_step, full), is rank 0's
+:class:`~megatron_tir.train.producer.Producer`; the held-out evaluation is
+:func:`megatron_tir.eval.held_out.run_held_out`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 from dataclasses import dataclass
 
-from megatron_tir.openmp import release_idle_threads
+from megatron_tir.eval.held_out import run_held_out
+from megatron_tir.rl import needs_values
 from megatron_tir.rollout.factory import InfrastructureError, build_weight_sync
-from megatron_tir.rollout.trajectory import INFRA_STATUSES
-from megatron_tir.rollout.batch import weight_version_metrics
-from megatron_tir.train.batch import Collected, TrainRows, collect_groups, deal_rows, plan_update, to_tensors
+from megatron_tir.train.batch import TrainRows, plan_update, to_tensors
+from megatron_tir.train.sampling import Collected
 from megatron_tir.train.config import TrainConfig
-from megatron_tir.train.data import PromptStream
-from megatron_tir.train.group_producer import GroupProducer
 from megatron_tir.train.handoff import HandOff, one_line
-from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
-from megatron_tir.train.turn_schedule import schedule_due, switched
+from megatron_tir.train.metrics import rollout_metrics
+from megatron_tir.train.producer import Producer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +66,7 @@ class StepRollouts:
         the data-parallel size is 1; for checks of the update alone)."""
         tc = cfg.trainer
         plan = plan_update(to_tensors(groups, pad_id=pad_id), mode=tc.mode,
-                           advantage=None if tc.ppo.advantage == "gae" else tc.ppo.advantage,
+                           advantage=None if needs_values(tc.ppo.advantage) else tc.ppo.advantage,
                            overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
         r = plan.rows
         return cls(rows=r if r.batch_size else None, mini_batches=int(r.mini_batch_B.max()) + 1 if r.batch_size else 0,
@@ -97,25 +92,24 @@ class RolloutSource:
                  poll_s: float = 1.0, alive_timeout_s: float = 300.0, consumed_ahead=()) -> None:
         self.cfg = cfg
         self.full = cfg.trainer.asynchrony.mode == "full"
-        self._producer: GroupProducer | None = None
         self._handoff = HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
         self.rank = self._handoff.rank
         self.service = None
-        self._pending = {}
-        self._lengths: list[float] = []  # mean response length per step, for the plateau rule (restarts on a resume)
+        self.producer: Producer | None = None  # rank 0's (train/producer.py)
         self.schedule_switched_at = schedule_switched_at
-        self._rollout_cfg = cfg.rollout if schedule_switched_at is None else switched(cfg.rollout,
-                                                                                       cfg.trainer.turn_schedule)
-        self.stream = PromptStream(cfg.data, position=position, skip=consumed_ahead) if self.rank == 0 else None
         if self.rank == 0:
             try:
                 self.service = service_factory()
+                self.producer = Producer(cfg, self.service, position=position, consumed_ahead=consumed_ahead,
+                                         schedule_switched_at=schedule_switched_at, pad_id=pad_id,
+                                         dp_size=self._handoff.dp_size)
             except BaseException as exc:
                 self._handoff.publish("start", {"error": one_line(exc, 10_000)})
                 self._handoff.close()
+                if self.service is not None:
+                    self.service.close()
                 raise
             self._handoff.publish("start", {"error": None})
-            self._pad_id = pad_id if pad_id is not None else _pad_id(self.service.tokenizer)
         else:
             header, _ = self._handoff.receive("start", what="rank 0's engine and sandbox to start")
             if header["error"] is not None:
@@ -140,7 +134,8 @@ class RolloutSource:
 
     @property
     def rollout_cfg(self):
-        return self._rollout_cfg
+        """Rank 0's rollout budgets now (the turn schedule may have switched them); None elsewhere."""
+        return None if self.producer is None else self.producer.rollout_cfg
 
     @property
     def received_bytes(self) -> int:
@@ -148,49 +143,43 @@ class RolloutSource:
 
     def submit(self, step: int) -> None:
         """Start step ``step``'s rollouts (rank 0, on the event-loop thread; elsewhere nothing)."""
-        if self.rank != 0:
-            return
-        tc = self.cfg.trainer
-        if self.schedule_switched_at is None and schedule_due(step, tc.turn_schedule, self._lengths):
-            self._rollout_cfg, self.schedule_switched_at = switched(self.cfg.rollout, tc.turn_schedule), step
-            log.info("turn schedule: %d turns, %d tokens from step %d", self._rollout_cfg.max_turns,
-                     self._rollout_cfg.max_response_tokens, step)
-        if self.full:
-            self._pending[step] = (time.perf_counter(), None)
-            if self._producer is None:
-                self._producer = GroupProducer(
-                    arollout=self.service.arollout, stream=self.stream, rollout_cfg=lambda: self._rollout_cfg,
-                    version=lambda: self.service.weight_version, batch=tc.sampling.prompts_per_step,
-                    max_staleness=tc.asynchrony.max_staleness, filters=tc.filters,
-                    max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round)
-                self.service.runner.run(self._producer.start())
-            return
-        one_round = functools.partial(self._sample_round, self._rollout_cfg)
-        f = tc.filters
-        coro = collect_groups(one_round, want=tc.sampling.prompts_per_step, max_rounds=tc.sampling.max_rounds,
-                              drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi,
-                              overlong=f.overlong, min_rows=f.min_group_rows, strategy=tc.sampling.strategy,
-                              seed=tc.seed * 100003 + step)
-        self._pending[step] = (time.perf_counter(), self.service.submit(coro))
+        if self.rank == 0:
+            self.producer.submit(step)
+
+    def take(self, step: int) -> StepRollouts:
+        """This rank's share of step ``step``'s trained rows: its rollouts start now unless they already
+        run; with ``trainer.async=one_step`` step + 1's start as soon as these are taken (they run while
+        this step trains, with the weights it trains from: one version stale; :meth:`drain_ahead`)."""
+        if not self.submitted(step):
+            self.submit(step)
+        got = self.next(step)
+        if self._ahead(step):
+            self.submit(step + 1)
+        return got
+
+    def drain_ahead(self, step: int) -> float | None:
+        """Before step ``step``'s weight sync: the seconds spent waiting for the rollouts started ahead of
+        it to finish generating (each group comes from one weight version); None when none run ahead."""
+        if not self._ahead(step):
+            return None
+        t0 = time.perf_counter()
+        self.drain(step + 1)
+        return time.perf_counter() - t0
+
+    def _ahead(self, step: int) -> bool:
+        return self.cfg.trainer.asynchrony.mode == "one_step" and step < self.cfg.trainer.steps
 
     def submitted(self, step: int) -> bool:
         """Whether ``step``'s rollouts were submitted and not yet consumed (rank 0; True elsewhere: nothing to start)."""
-        return self.rank != 0 or step in self._pending
+        return self.rank != 0 or self.producer.submitted(step)
 
     def drain(self, step: int) -> None:
         """Rank 0: wait until ``step``'s rollouts have finished generating (elsewhere nothing), so a
         weight sync after it never lands in the middle of them: each of their groups comes from one
         weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
         every rank."""
-        if self.rank == 0 and step in self._pending and self._pending[step][1] is not None:
-            release_idle_threads()
-            concurrent.futures.wait([self._pending[step][1]])
-
-    async def _sample_round(self, rollout_cfg):
-        start = self.stream.position  # group ids are positions in the prompt stream
-        problems = self.stream.take(self.cfg.trainer.sampling.prompts_per_round)
-        return await self.service.arollout(problems, rollout_cfg, group_id_offset=start,
-                                           progress=self.cfg.trainer.progress)
+        if self.rank == 0:
+            self.producer.drain(step)
 
     def next(self, step: int) -> StepRollouts:
         """This rank's share of step ``step``'s trained rows (blocks until rank 0 has them)."""
@@ -199,62 +188,13 @@ class RolloutSource:
             header, rows = self._handoff.receive(key, what=f"step {step}'s rollouts")
             return self._result(header, rows, {}, None)
         try:
-            header, shares, metrics, got = self._produce(step)
+            produced = self.producer.produce(step)
         except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
             self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {one_line(exc)}"})
             raise
-        rows = self._handoff.publish(key, header, shares)
+        rows = self._handoff.publish(key, produced.header, produced.shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
-        return self._result(header, rows, metrics, got)
-
-    def _produce(self, step: int) -> tuple[dict, list[TrainRows] | None, dict, Collected]:
-        t0, future = self._pending.pop(step)
-        tc = self.cfg.trainer
-        ahead, metrics = [], {}
-        release_idle_threads()  # this thread waits for the engine's: its idle OpenMP team would slow them
-        if future is not None:
-            got = future.result()
-            position = self.stream.position  # after the rounds: they draw prompts as they go
-        else:  # full: the step's groups from the producer
-            taken = self.service.runner.run(self._producer.take(tc.sampling.prompts_per_step))
-            got, position, ahead = taken.collected, taken.data_position, taken.consumed_ahead
-            metrics |= {"rollout/groups_in_flight": float(taken.in_flight)}
-            if step == tc.steps:  # the last step: nothing more to generate (what runs returns to the stream)
-                self.service.runner.run(self._producer.stop())
-        metrics |= rollout_metrics(got.sampled) | interruption_metrics(got.groups)
-        if stale := self.service.take_stale_responses():  # a server restarted with other weights
-            metrics["rollout/stale_responses_dropped"] = float(stale)
-            log.warning("step %d: %d answers from servers with stale weights dropped and retried", step, stale)
-        metrics |= {f"filter/groups_{k}": float(v) for k, v in got.removed.items()}
-        metrics |= {"filter/groups_kept": float(len(got.groups)), "filter/sample_rounds": float(got.rounds)}
-        self._lengths.append(metrics.get("rollout/mean_response_tokens", 0.0))
-        header = {"data_position": position, "consumed_ahead": ahead, "schedule_switched_at": self.schedule_switched_at,
-                  "budget": [self._rollout_cfg.max_turns, self._rollout_cfg.max_response_tokens],
-                  "mini_batches": 0, "turns": 0, "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)}
-        shares = None
-        if got.groups and header["stop"] is None:
-            rt = to_tensors(got.groups, pad_id=self._pad_id)
-            gae = tc.ppo.advantage == "gae"  # the critic's GAE fills the advantages in on every rank
-            plan = plan_update(rt, mode=tc.mode, advantage=None if gae else tc.ppo.advantage,
-                               overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
-            s = rt.rows
-            metrics |= {"filter/rows": float(rt.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
-                        "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
-                        "filter/rows_in_stats": float(plan.stats_B.sum()),
-                        "filter/rows_in_loss": float(plan.trained_B.sum()),
-                        "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
-            if plan.rows.batch_size:
-                r = plan.rows
-                shares = deal_rows(r, self._handoff.dp_size)
-                header["mini_batches"] = int(r.mini_batch_B.max()) + 1
-                header["turns"] = int(r.turn_index_BT.max()) + 1
-                # the lag against the weights being trained (the engine's version is the learner's: a
-                # sync follows every update): 0 in synchronous training, 1 with trainer.async=one_step
-                metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT,
-                                                  current=self.service.weight_version)
-                metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
-        metrics["time/rollout"] = time.perf_counter() - t0
-        return header, shares, metrics, got
+        return self._result(produced.header, rows, produced.metrics, produced.collected)
 
     def _result(self, header: dict, rows: TrainRows | None, metrics: dict, collected: Collected | None) -> StepRollouts:
         if header["stop"] is not None:
@@ -271,28 +211,15 @@ class RolloutSource:
         return None if self.service is None else self.service.tokenizer
 
     def evaluate(self, problems, observe=None) -> dict[str, float]:
-        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere);
-        ``observe(groups)`` sees the groups."""
+        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere: every rank
+        calls it inside a ``rank0_phase``); ``observe(groups)`` sees the groups."""
         if self.rank != 0 or not problems:
             return {}
-        cfg, rc = self.cfg, self._rollout_cfg
-        T = cfg.data.eval_temperature if cfg.data.eval_temperature is not None else rc.temperature
-        top_p = cfg.data.eval_top_p if cfg.data.eval_top_p is not None else rc.top_p
-        ecfg = dataclasses.replace(rc, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
-                                   seed=cfg.trainer.seed + 1)
-        t0 = time.perf_counter()
-        release_idle_threads()
-        if self._producer is not None:  # full: the evaluation first, then generation ahead again
-            self.service.runner.run(self._producer.hold(True))
-        try:
-            groups = self.service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress,
-                                          desc="eval")
-        finally:
-            if self._producer is not None:
-                self.service.runner.run(self._producer.hold(False))
+        groups, seconds = run_held_out(self.service, self.cfg, self.producer.rollout_cfg, problems,
+                                       hold=self.producer.strategy.hold)
         if observe is not None:
             observe(groups)
-        return rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - t0}
+        return rollout_metrics(groups, prefix="eval") | {"time/eval": seconds}
 
     def rank0_phase(self, key: str, fn, *, what: str) -> dict:
         """``fn()`` on rank 0 while every other rank waits for it through the hand-off (never inside a
@@ -311,7 +238,7 @@ class RolloutSource:
         the other ranks wait for it through the hand-off. Skipped while a later step's rollouts are in
         flight: they need the engine."""
         def release() -> None:
-            if not self._pending and self._producer is None:
+            if self.producer.idle:
                 self.service.offload()
         self.rank0_phase(f"offload/{step}", release, what=f"rank 0 to free the engine's memory (step {step})")
         self.forget(f"offload/{step - 2}")
@@ -331,8 +258,8 @@ class RolloutSource:
                 self._handoff.receive(key, what="rank 0 to start the weight sync")
         with self._engine_paused():
             self.weights.update(learner)
-        if self._producer is not None:  # full: the new version may admit more groups
-            self.service.runner.run(self._producer.poke())
+        if self.producer is not None:  # full: the new version may admit more groups
+            self.producer.poke()
 
     def _engine_paused(self):
         """Rank 0: the engine's idle-share clock stops while a sync holds it (``EngineActivity.paused``)."""
@@ -345,9 +272,9 @@ class RolloutSource:
 
     def close(self) -> None:
         self._handoff.close()
-        if self._producer is not None:
+        if self.producer is not None:
             try:
-                self.service.runner.run(self._producer.stop())
+                self.producer.stop()
             except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
                 log.exception("stopping the group producer")
         if getattr(self, "weights", None) is not None:
@@ -361,23 +288,3 @@ class RolloutSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _infra_stop(groups, max_share: float) -> str | None:
-    """The cause when infrastructure ended more than ``max_share`` of the trajectories, else None."""
-    trajs = [t for g in groups for t in g.trajectories]
-    failed = [t for t in trajs if t.status in INFRA_STATUSES]
-    if not trajs or len(failed) <= max_share * len(trajs):
-        return None
-    first = ""
-    if failed[0].turns and failed[0].turns[-1].tool is not None:
-        first = failed[0].turns[-1].tool.result.message or failed[0].turns[-1].tool.status.value
-    return (f"{len(failed)} of {len(trajs)} trajectories of the step were ended by infrastructure failures "
-            f"(more than trainer.stop.infra_failure_share={max_share:g}); stopping before the update"
-            + (f" (first: {' '.join(first.split())[:200]})" if first else ""))
-
-
-def _pad_id(tokenizer) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    assert pad is not None, "the tokenizer has neither a pad nor an EOS token"
-    return int(pad)

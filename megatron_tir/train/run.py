@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import torch
 
-from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.algorithm import algorithm_class, build_algorithm
 from megatron_tir.train.loop import train
 from megatron_tir.train.preempt import StopSignals
 from megatron_tir.train.rollout_source import RolloutSource
@@ -28,22 +27,15 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     from megatron_tir.train.rollouts import RolloutService
 
     torch.manual_seed(cfg.trainer.seed)
-    init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed,
-                  timeout_s=cfg.trainer.collective_timeout_s)
+    init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
+                  timeout_s=cfg.trainer.collective_timeout_s, model_parallel_timeout_s=cfg.trainer.collective_timeout_s)
     try:
+        algorithm_class(cfg)  # a bad trainer.ppo.algorithm is one line before the learner is built
         learner = Learner(cfg.learner)
-        # The KL term's reference: the initial policy, frozen (built only when the KL term is on).
-        reference = Learner(cfg.learner, frozen=True) if cfg.trainer.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0 \
-            else None
-        critic = None
-        if cfg.trainer.ppo.advantage == "gae":  # the critic: same layout, a value head, its own optimizer
-            critic = Learner(dataclasses.replace(cfg.learner, head="value", lr=cfg.critic.lr, min_lr=0.0,
-                                                 warmup_steps=0, lr_decay_style="constant", lr_decay_steps=None,
-                                                 model=cfg.critic.model or cfg.learner.model))
+        algorithm = build_algorithm(cfg, learner)  # builds the critic and the frozen reference where it needs them
         if resume:
-            learners = {POLICY: learner} | ({CRITIC: critic} if critic is not None else {})
             loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
-                learners, strict=cfg.trainer.checkpoint.strict_resume,
+                algorithm.learners, strict=cfg.trainer.checkpoint.strict_resume,
                 allow_unverified=cfg.trainer.checkpoint.allow_unverified)
             if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
                 state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
@@ -69,7 +61,6 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             if resume:  # the engines start from the base weights: give them the policy's
                 source.sync_weights(learner)
             with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
-                return train(cfg, run_dir, state, learner=learner, source=source, reference=reference, critic=critic,
-                             stop=stop)
+                return train(cfg, run_dir, state, algorithm=algorithm, source=source, stop=stop)
     finally:
         destroy_parallel()

@@ -55,8 +55,9 @@ def check_update_policy() -> dict:
     from crafted_rollouts import C, group
 
     from megatron_tir.policy.learner import Learner
-    from megatron_tir.train.config import apply_overrides, tiny_cpu
-    from megatron_tir.train.loop import update_policy
+    from megatron_tir.train.config import apply_overrides
+    from megatron_tir.train.recipes import tiny_cpu
+    from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.rollout_source import StepRollouts
 
     cfg = apply_overrides(tiny_cpu(), ["learner.dtype=bfloat16", "trainer.ppo.epochs=2",
@@ -66,7 +67,7 @@ def check_update_policy() -> dict:
     groups = [group(0, (C, 1.0, (-0.5, -1.0, -2.0)), (C, 0.0, (-0.7, -0.2, -1.5))),
               group(1, (C, 1.0, (-0.1, -3.0, -0.4)), (C, 0.0, (-1.1, -0.9, -2.2)))]
     t0 = time.perf_counter()
-    metrics = update_policy(cfg, StepRollouts.of_groups(groups, cfg), learner, {}, temperature=1.0)
+    metrics = build_algorithm(cfg, learner).update(1, StepRollouts.of_groups(groups, cfg), {}).metrics
     keep = ("train/optimizer_steps", "train/max_ratio", "train/grad_norm", "train/loss", "train/skipped_steps")
     out = {k: metrics.get(k) for k in keep} | {"seconds": time.perf_counter() - t0}
     assert metrics["train/optimizer_steps"] == 2 and metrics["train/skipped_steps"] == 0

@@ -77,7 +77,8 @@ def test_tiny_cpu_runs_to_completion_and_resumes_with_more_turns(tmp_path, monke
 
 def test_local_resume_continues_the_run_with_new_budgets(tmp_path, capsys):
     from megatron_tir.launch.spec import LaunchRecord, write_record
-    from megatron_tir.train.config import load_recipe, to_dict
+    from megatron_tir.train.config import to_dict
+    from megatron_tir.train.recipes import load_recipe
 
     run_dir = tmp_path / "run"
     write_record(run_dir, LaunchRecord(executor="local", recipe="tiny-cpu", cluster=None))

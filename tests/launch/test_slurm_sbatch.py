@@ -23,7 +23,8 @@ from megatron_tir.launch.cluster import load_cluster
 from megatron_tir.launch.layout import trainer_layout
 from megatron_tir.launch.slurm import render
 from megatron_tir.launch.spec import LaunchRecord, RunSpec, write_record
-from megatron_tir.train.config import apply_overrides, load_recipe, to_dict
+from megatron_tir.train.config import apply_overrides, to_dict
+from megatron_tir.train.recipes import load_recipe
 
 RECIPE = "qwen2.5-32b-simpletir"
 HOSTS = [f"gpu{i:03d}" for i in range(1, 8)]

@@ -11,7 +11,8 @@ import typing
 import pytest
 
 from megatron_tir.eval.runner import EvalConfig
-from megatron_tir.train.config import DERIVED_KEYS, TrainConfig, apply_overrides, from_dict, load_recipe, to_dict
+from megatron_tir.train.config import DERIVED_KEYS, TrainConfig, apply_overrides, from_dict, to_dict
+from megatron_tir.train.recipes import load_recipe
 
 
 def _float_keys(cls, prefix: str = "") -> list[str]:

@@ -12,7 +12,7 @@ from megatron_tir.observe.show import MASKED, TRAINED, parse_filters, parse_rend
 from megatron_tir.rl import MODES
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import FinishStatus
-from megatron_tir.train.batch import Collected
+from megatron_tir.train.sampling import Collected
 
 
 class CharTokenizer:

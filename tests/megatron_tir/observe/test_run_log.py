@@ -10,7 +10,7 @@ from observe_crafted import answer_turn, make
 from megatron_tir.observe.config import LogConfig
 from megatron_tir.observe.run_log import LOG_FILE, StepObserver
 from megatron_tir.rollout.batch import Group
-from megatron_tir.train.batch import Collected
+from megatron_tir.train.sampling import Collected
 from megatron_tir.train.config import TrainConfig
 
 

@@ -16,7 +16,8 @@ import torch
 
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
-from megatron_tir.train.config import apply_overrides, load_recipe
+from megatron_tir.train.config import apply_overrides
+from megatron_tir.train.recipes import load_recipe
 from megatron_tir.rollout.event_loop import EventLoopThread
 
 C, V = FinishStatus.COMPLETED, FinishStatus.VOID
@@ -100,7 +101,7 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
-    from megatron_tir.train.loop import update_policy
+    from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.rollout_source import RolloutSource
 
     init_parallel(1, pp)
@@ -115,7 +116,7 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
     with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
         source.submit(1)
         got = source.next(1)
-        metrics = update_policy(cfg, got, learner, {}, temperature=1.0, critic=critic)
+        metrics = build_algorithm(cfg, learner, critic=critic).update(1, got, {}).metrics
         from megatron.core import parallel_state
 
         view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
@@ -163,6 +164,7 @@ def slow_eval_train_rank(rank: int, world: int, out: str, eval_s: float, timeout
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.parallel import init_parallel
     from megatron_tir.train.checkpoint import TrainerState
+    from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.loop import train
     from megatron_tir.train.rollout_source import RolloutSource
 
@@ -172,7 +174,7 @@ def slow_eval_train_rank(rank: int, world: int, out: str, eval_s: float, timeout
     t0 = time.monotonic()
     with RolloutSource(cfg, service_factory=lambda: SlowEvalService(eval_s, learner.tokenizer), pad_id=0, poll_s=0.5,
                        alive_timeout_s=60.0) as source:
-        state = train(cfg, Path(out) / "run", TrainerState(), learner=learner, source=source)
+        state = train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner), source=source)
         evaluations = source.service.evaluations if rank == 0 else None
     torch.save({"step": state.step, "elapsed": time.monotonic() - t0, "evaluations": evaluations},
                f"{out}/rank{rank}.pt")
@@ -185,6 +187,7 @@ def colocated_order_rank(rank: int, world: int, out: str) -> None:
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.parallel import init_parallel
     from megatron_tir.train.checkpoint import TrainerState
+    from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.loop import train
     from megatron_tir.train.rollout_source import RolloutSource
 
@@ -216,7 +219,7 @@ def colocated_order_rank(rank: int, world: int, out: str) -> None:
 
     with RolloutSource(cfg, service_factory=lambda: Engine(0.0, learner.tokenizer), pad_id=0, poll_s=0.2,
                        alive_timeout_s=60.0) as source:
-        train(cfg, Path(out) / "run", TrainerState(), learner=learner, source=source)
+        train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner), source=source)
     torch.save({"events": events, "grad_bytes": grads()}, f"{out}/rank{rank}.pt")
 
 

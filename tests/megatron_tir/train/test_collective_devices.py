@@ -8,7 +8,8 @@ from crafted_rollouts import C, group
 from device_check import DeviceCheckError
 
 from megatron_tir.train.rollout_source import StepRollouts
-from megatron_tir.train.config import apply_overrides, tiny_cpu
+from megatron_tir.train.config import apply_overrides
+from megatron_tir.train.recipes import tiny_cpu
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +58,13 @@ def test_the_mode_refuses_a_host_read_inside_the_schedule(parallel_1x1, device_c
 def test_update_policy_runs_in_the_device_check_mode(parallel_1x1, device_check):
     """The whole update (old log-probs, PPO steps, the max-ratio all-reduce) as a GPU run's collectives see it."""
     from megatron_tir.policy.learner import Learner
-    from megatron_tir.train.loop import update_policy
+    from megatron_tir.train.algorithm import build_algorithm
 
     cfg = apply_overrides(tiny_cpu(), ["trainer.ppo.epochs=2", "trainer.loss.entropy_coef=0"])
     learner = Learner(cfg.learner)
     groups = [group(0, (C, 1.0, (-0.5, -1.0, -2.0)), (C, 0.0, (-0.7, -0.2, -1.5))),
               group(1, (C, 1.0, (-0.1, -3.0, -0.4)), (C, 0.0, (-1.1, -0.9, -2.2)))]
-    metrics = update_policy(cfg, StepRollouts.of_groups(groups, cfg), learner, {}, temperature=1.0)
+    metrics = build_algorithm(cfg, learner).update(1, StepRollouts.of_groups(groups, cfg), {}).metrics
     assert device_check.violations == []
     assert metrics["train/optimizer_steps"] == 2.0
     # epoch 1 starts at ratio 1 (old log-probs are the learner's); epoch 2 moved: the max ratio is > 1

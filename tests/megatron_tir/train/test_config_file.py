@@ -8,7 +8,8 @@ import pytest
 
 from megatron_tir.cli import build_parser, main
 from megatron_tir.train.cli import fresh_config
-from megatron_tir.train.config import RECIPES, apply_overrides, load_recipe, to_dict
+from megatron_tir.train.config import apply_overrides, to_dict
+from megatron_tir.train.recipes import RECIPES, load_recipe
 from megatron_tir.train.config_file import load_config_file
 
 

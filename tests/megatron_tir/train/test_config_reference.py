@@ -10,7 +10,8 @@ import yaml
 
 from megatron_tir.cli import main
 from megatron_tir.config_doc import field_docs, leaves, sections
-from megatron_tir.train.config import RECIPES, TrainConfig, apply_overrides, load_recipe, to_dict
+from megatron_tir.train.config import TrainConfig, apply_overrides, to_dict
+from megatron_tir.train.recipes import RECIPES, load_recipe
 from megatron_tir.train.config_file import load_config_file
 from megatron_tir.train.config_reference import REGENERATE, explain_yaml, markdown
 

@@ -186,7 +186,8 @@ def test_a_resume_of_damaged_checkpoints_is_refused_before_the_learner(probed, t
     """Issue 37: both steps damaged (bytes changed, sizes kept: the cheap check passes them) -- one line,
     exit 2, and neither megatron-core nor any process was started."""
     from megatron_tir.policy.checkpoint import manifest
-    from megatron_tir.train.config import load_recipe, to_dict
+    from megatron_tir.train.config import to_dict
+    from megatron_tir.train.recipes import load_recipe
 
     run = tmp_path / "run"
     run.mkdir()

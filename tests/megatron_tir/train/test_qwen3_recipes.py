@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tir.launch.model_facts import model_spec
-from megatron_tir.train.config import load_recipe
+from megatron_tir.train.recipes import load_recipe
 
 
 @pytest.mark.parametrize("recipe,model,experts", [("qwen3-8b-simpletir", "Qwen3-8B", 0),

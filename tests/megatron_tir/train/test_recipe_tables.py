@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tir.train.config import load_recipe
+from megatron_tir.train.recipes import load_recipe
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 

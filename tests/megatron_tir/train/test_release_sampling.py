@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_tir.rl import group_keep_G, row_weights
-from megatron_tir.train.batch import collect_groups
+from megatron_tir.train.sampling import collect_groups
 
 
 def test_overlong_drop_removes_truncated_rows_from_the_statistics():
@@ -39,7 +39,7 @@ class _G:  # a scored group as the filter sees it, via filter_groups' stand-in b
 
 @pytest.fixture
 def fake_filter(monkeypatch):
-    import megatron_tir.train.batch as batch
+    import megatron_tir.train.sampling as batch
 
     def filter_groups(groups, **kw):
         ok = [g for g in groups if g.ok]

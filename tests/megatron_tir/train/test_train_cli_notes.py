@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_tir.train.config import apply_overrides, load_recipe, to_dict
+from megatron_tir.train.config import apply_overrides, to_dict
+from megatron_tir.train.recipes import load_recipe
 
 
 def test_config_changes_name_each_changed_key_old_and_new():

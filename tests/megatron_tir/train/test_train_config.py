@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from megatron_tir.train.config import (
-    RECIPES,
-    apply_overrides,
-    from_dict,
-    load_recipe,
-    to_dict,
-)
+from megatron_tir.train.config import apply_overrides, from_dict, to_dict
+from megatron_tir.train.recipes import RECIPES, load_recipe
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from crafted_rollouts import C, group
 
-from megatron_tir.train.config import apply_overrides, tiny_cpu
+from megatron_tir.train.config import apply_overrides
+from megatron_tir.train.recipes import tiny_cpu
 from megatron_tir.train.rollout_source import StepRollouts
 
 
@@ -23,7 +24,7 @@ def parallel_1x1():
 
 def test_a_mini_batch_the_correction_masks_whole_is_an_empty_step(parallel_1x1):
     from megatron_tir.policy.learner import Learner
-    from megatron_tir.train.loop import update_policy
+    from megatron_tir.train.algorithm import build_algorithm
 
     cfg = apply_overrides(tiny_cpu(), ["trainer.async=one_step", "trainer.async.correction=mask",
                                        "trainer.async.cap=2", "trainer.ppo.mini_batches=2", "trainer.ppo.epochs=1",
@@ -36,7 +37,7 @@ def test_a_mini_batch_the_correction_masks_whole_is_an_empty_step(parallel_1x1):
     got = StepRollouts.of_groups(groups, cfg)
     assert got.mini_batches == 2 and got.rows.mini_batch_B.tolist().count(0) == 2
     before = [p.detach().clone() for p in learner.module.parameters()]
-    metrics = update_policy(cfg, got, learner, {}, temperature=1.0)
+    metrics = build_algorithm(cfg, learner).update(1, got, {}).metrics
     assert metrics["train/optimizer_steps"] == 2.0 and metrics["train/empty_steps"] == 1.0
     assert metrics["train/skipped_steps"] == 0.0 and learner.step == 1  # the other mini-batch stepped
     assert metrics["offpolicy/capped_share"] == pytest.approx(0.5)  # half the loss tokens (group 0's) masked

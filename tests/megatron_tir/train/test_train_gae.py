@@ -16,7 +16,8 @@ import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl.critic import explained_variance
-from megatron_tir.train.config import apply_overrides, load_recipe
+from megatron_tir.train.config import apply_overrides
+from megatron_tir.train.recipes import load_recipe
 from megatron_tir.train.critic_update import CriticConfig, critic_metrics, gae_advantages
 
 ROOT = Path(__file__).resolve().parents[3]

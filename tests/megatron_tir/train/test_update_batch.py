@@ -9,15 +9,8 @@ import pytest
 import torch
 from crafted_rollouts import A, C, F, T, V, group
 
-from megatron_tir.train.batch import (
-    build_update,
-    collect_groups,
-    deal_rows,
-    filter_groups,
-    mini_batches,
-    plan_update,
-    to_tensors,
-)
+from megatron_tir.train.batch import build_update, deal_rows, mini_batches, plan_update, to_tensors
+from megatron_tir.train.sampling import collect_groups, filter_groups
 
 S3 = math.sqrt(1 / 3)
 

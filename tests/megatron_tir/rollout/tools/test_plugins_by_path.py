@@ -13,7 +13,8 @@ from megatron_tir.data import Problem
 from megatron_tir.reward import MathVerifier, RewardConfig
 from megatron_tir.rollout import FinishStatus, RolloutConfig, TIRRollout
 from megatron_tir.tir import TurnKind
-from megatron_tir.train.config import apply_overrides, load_recipe
+from megatron_tir.train.config import apply_overrides
+from megatron_tir.train.recipes import load_recipe
 
 from scripted_engine import ScriptedEngine
 
