@@ -4,8 +4,8 @@
     tir-launch --recipe qwen2.5-7b-simpletir --executor local --sglang-gpus 0     # colocated
 
 The node's GPUs (``$CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi``) are split: the SGLang
-servers take the first ``--sglang-gpus`` (default half; servers of the recipe's TP, i.e. TP 4 for
-the 7B recipe), ``torchrun`` the rest (``CUDA_VISIBLE_DEVICES`` narrowed to them), the sandbox
+servers take the first ``--sglang-gpus`` (default half, or all colocated on an odd count; servers of
+the recipe's TP, i.e. TP 4 for the 7B recipe), ``torchrun`` the rest (``CUDA_VISIBLE_DEVICES`` narrowed to them), the sandbox
 cluster runs on the CPUs beside them (broker + workers: ``sandbox-cluster serve``).
 ``--sglang-gpus 0`` colocates the servers on all GPUs (memory released while the trainer trains).
 The node is checked the way a cluster file is: it becomes a one-node :class:`Cluster` whose
@@ -97,7 +97,7 @@ def node_layout(node: GpuNode, *, tp: int, pp: int, sglang_gpus: int | None, sgl
                 sandbox_workers: int) -> NodeLayout:
     """Split ``node`` between SGLang and the trainer; ValueError (one line) when it cannot hold the recipe."""
     n = len(node.devices)
-    k = n // 2 if sglang_gpus is None else sglang_gpus
+    k = (n // 2 if n % 2 == 0 else 0) if sglang_gpus is None else sglang_gpus  # odd: colocated
     if k not in (0, n // 2) or (k and n % 2):
         raise ValueError(f"--sglang-gpus {k}: a node's {n} GPUs are shared (0: colocated) or split in two equal "
                          f"halves ({n // 2} if n is even)")

@@ -94,3 +94,6 @@ def test_detection_and_split():
                          sglang_gpus=None, sglang_tp=None, sandbox_workers=128)
     assert layout.sglang_devices == ("0", "1", "2", "3") and layout.servers == 2  # TP 2: two servers on four GPUs
     assert layout.cluster.sandbox.workers_per_node == 64  # no more workers than CPUs
+    three = node_layout(GpuNode(devices=("0", "1", "2"), memory_gib=80.0, cpus=8), tp=1, pp=1, sglang_gpus=None,
+                        sglang_tp=None, sandbox_workers=2)
+    assert three.colocated and three.trainer_devices == ("0", "1", "2") and three.servers == 3
