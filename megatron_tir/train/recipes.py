@@ -63,7 +63,7 @@ def smollm2_cpu() -> TrainConfig:
 
 
 def _simpletir(model: str, *, tp: int, pp: int, **memory) -> TrainConfig:
-    """SimpleTIR as released (ltzheng/SimpleTIR ``train.sh`` + README at e7b5b44; README.md's recipe
+    """SimpleTIR as released (ltzheng/SimpleTIR ``train.sh`` + README at e7b5b44; docs/recipes.md's recipe
     table lists every value beside the paper's): T=1, n=16, train batch 512 prompts in 4
     mini-batches of 128, one pass (each sample used once), over-sampling 3x once with a random
     pick and repeats for a short batch, accuracy filter 0.1-0.9, truncated rows removed from the

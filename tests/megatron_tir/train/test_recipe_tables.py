@@ -1,4 +1,4 @@
-"""README's recipe tables say what the recipes are: every row naming a key is read back from the
+"""docs/recipes.md's tables say what the recipes are: every row naming a key is read back from the
 recipe it documents (a departure from the papers has to be changed in both places)."""
 
 from __future__ import annotations
@@ -10,14 +10,12 @@ import pytest
 
 from megatron_tir.train.recipes import load_recipe
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+RECIPES_DOC = Path(__file__).resolve().parents[3] / "docs" / "recipes.md"
 
 
 def _tables() -> dict[str, list[tuple[list[str], list[str]]]]:
-    """{recipe: [(keys, values)]} from the tables of the "Recipes" section."""
-    text = README.read_text()
-    section = text[text.index("## Recipes and the papers' settings"):]
-    section = section[:section.index("\n## ", 10)]
+    """{recipe: [(keys, values)]} from the tables of docs/recipes.md."""
+    section = RECIPES_DOC.read_text()
     out: dict[str, list] = {}
     for table in re.split(r"\n\s*\n", section):
         lines = [ln for ln in table.splitlines() if ln.startswith("|")]
@@ -60,6 +58,6 @@ def test_recipe_tables_match_the_recipes():
         for keys, values in rows:
             assert len(keys) == len(values), (recipe, keys, values)
             for key, text in zip(keys, values):
-                assert _same(_get(cfg, key), text), f"{recipe}: {key} is {_get(cfg, key)!r}, README says {text}"
+                assert _same(_get(cfg, key), text), f"{recipe}: {key} is {_get(cfg, key)!r}, docs/recipes.md says {text}"
                 checked += 1
     assert checked >= 35

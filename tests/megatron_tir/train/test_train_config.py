@@ -18,7 +18,7 @@ def test_recipes_round_trip_through_json(name):
 
 
 def test_the_32b_recipe_is_the_7b_recipe_but_its_model_and_layout():
-    """Both SimpleTIR recipes share every hyper-parameter (README's table documents the 7B one,
+    """Both SimpleTIR recipes share every hyper-parameter (docs/recipes.md's table documents the 7B one,
     tests/megatron_tir/train/test_recipe_tables.py checks it); only model and memory layout differ."""
     a, b = to_dict(load_recipe("qwen2.5-7b-simpletir")), to_dict(load_recipe("qwen2.5-32b-simpletir"))
     for d in (a, b):
