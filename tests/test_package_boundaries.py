@@ -31,9 +31,6 @@ KNOWN = {
     ("megatron_tir/policy/learner.py", "megatron_tir.model_sources"):
         "resolve_source resolves named models (model_sources.resolve_model): the caller should hand the "
         "learner a resolved path, or the named-model table should sit below policy/ (issue 34, item 5)",
-    ("megatron_tir/observe/run_log.py", "megatron_tir.train"):
-        "the step-0 held-out line recomputes train.metrics.rollout_metrics: the caller should hand the "
-        "observer the evaluation's metrics (issue 34, item 5)",
 }
 
 

@@ -57,13 +57,11 @@ class StepObserver:
         self._records += step_records(step, "train", collected.sampled, self.tokenizer,
                                       include_ids=self.log_cfg.dump_tokens, fates=fates)
 
-    def held_out(self, step: int, groups) -> None:
+    def held_out(self, step: int, groups, metrics: dict) -> None:
+        """After a held-out evaluation: its groups and its metrics (``eval/*``, ``time/eval``)."""
         if self.log_cfg.dump_due(step) or (step == 0 and self.log_cfg.dump_every):
             self._records += step_records(step, "eval", groups, self.tokenizer, include_ids=self.log_cfg.dump_tokens)
         if step == 0:  # the evaluation before training: its line now, its own dump; step 1's clock starts after it
-            from megatron_tir.train.metrics import rollout_metrics  # the numbers of the step-0 metrics record
-
-            metrics = rollout_metrics(groups, prefix="eval") | {"time/eval": time.perf_counter() - self._t_end}
             log.info("%s", format_held_out_line(0, metrics))
             self.flush(0)
             self._t_end = time.perf_counter()

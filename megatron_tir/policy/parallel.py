@@ -30,6 +30,9 @@ def collective_device(group=None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+START_TIMEOUT_S = 600.0  # the default group's rendezvous: every rank has to have started
+
+
 def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
                   timeout_s: float = 600.0, ep: int = 1, etp: int | None = None,
                   model_parallel_timeout_s: float = 1800.0) -> None:
@@ -51,7 +54,14 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | 
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" in os.environ:
-            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+            # the rendezvous waits for every rank to start (imports alone take tens of seconds on a loaded
+            # node): at least START_TIMEOUT_S; the group's collectives then get ``timeout_s``
+            start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
+            torch.distributed.init_process_group(backend=backend, timeout=start)
+            if start != timeout:
+                from torch.distributed.distributed_c10d import _set_pg_timeout
+
+                _set_pg_timeout(timeout)
         else:
             # One process: a store on a port the kernel picks (no free-port race), and no
             # RANK / MASTER_PORT left in os.environ for child processes to inherit.

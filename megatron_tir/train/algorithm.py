@@ -295,8 +295,12 @@ def build_algorithm(cfg: TrainConfig, policy, *, reference=None, critic=None) ->
 
 
 def _phase_bar(progress: bool, desc: str, total: int | None, *, unit: str = "step"):
-    """A progress bar (optimizer steps, micro-batches) on rank 0 when ``progress`` and stderr is a terminal."""
+    """Rank 0's progress through a learner phase (micro-batches, optimizer steps): a bar on a terminal, a
+    heartbeat line in the log file otherwise (``megatron_tir.observe.heartbeat``); nothing elsewhere."""
+    from megatron_tir.observe.heartbeat import phase_progress
+
+    if progress and torch.distributed.get_rank() == 0:
+        return phase_progress(desc, total, unit=unit)
     from tqdm import tqdm
 
-    show = progress and torch.distributed.get_rank() == 0
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None if show else True)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=True)

@@ -156,7 +156,7 @@ class _NoObserver:
     def sampled(self, step: int, collected) -> None:
         pass
 
-    def held_out(self, step: int, groups) -> None:
+    def held_out(self, step: int, groups, metrics: dict) -> None:
         pass
 
     def end_step(self, step: int, metrics: dict) -> dict[str, float]:

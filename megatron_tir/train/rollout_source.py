@@ -212,14 +212,15 @@ class RolloutSource:
 
     def evaluate(self, problems, observe=None) -> dict[str, float]:
         """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere: every rank
-        calls it inside a ``rank0_phase``); ``observe(groups)`` sees the groups."""
+        calls it inside a ``rank0_phase``); ``observe(groups, metrics)`` sees the groups and their metrics."""
         if self.rank != 0 or not problems:
             return {}
         groups, seconds = run_held_out(self.service, self.cfg, self.producer.rollout_cfg, problems,
                                        hold=self.producer.strategy.hold)
+        metrics = rollout_metrics(groups, prefix="eval") | {"time/eval": seconds}
         if observe is not None:
-            observe(groups)
-        return rollout_metrics(groups, prefix="eval") | {"time/eval": seconds}
+            observe(groups, metrics)
+        return metrics
 
     def rank0_phase(self, key: str, fn, *, what: str) -> dict:
         """``fn()`` on rank 0 while every other rank waits for it through the hand-off (never inside a

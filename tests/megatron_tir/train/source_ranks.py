@@ -223,6 +223,27 @@ def colocated_order_rank(rank: int, world: int, out: str) -> None:
     torch.save({"events": events, "grad_bytes": grads()}, f"{out}/rank{rank}.pt")
 
 
+def watchdog_rank(rank: int, world: int, out: str, timeout_s: float, busy_s: float) -> None:
+    """The control of the rank-0-phase tests: rank 0 busy for ``busy_s`` while rank 1 waits in a bare
+    all-reduce of the default group (``init_parallel(timeout_s=...)``): rank 1's wait ends at the timeout."""
+    import time
+
+    from megatron_tir.policy.parallel import init_parallel
+
+    init_parallel(1, 1, timeout_s=timeout_s)
+    if rank == 0:
+        time.sleep(busy_s)
+        return
+    t0 = time.monotonic()
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        outcome = "completed"
+    except Exception as exc:  # noqa: BLE001 - the timeout is the outcome under test
+        outcome = type(exc).__name__
+    torch.save({"outcome": outcome, "waited": time.monotonic() - t0}, f"{out}/rank1.pt")
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
 def handoff_rank(rank: int, world: int, out: str, tp: int) -> None:
     """Rank 0 publishes crafted shares (one per data-parallel replica) at ``tp``; every rank saves what it got."""
     from megatron_tir.policy.parallel import init_parallel

@@ -28,6 +28,15 @@ def test_a_held_out_evaluation_longer_than_the_group_timeout_ends_the_run_on_eve
     assert all(ln["time/eval"] >= EVAL_S for ln in lines)
 
 
+def test_the_watchdog_is_real_a_bare_collective_behind_a_busy_rank_0_times_out(tmp_path):
+    """The control: without the hand-off, the same wait dies at the group's timeout (the issue's reproduction)."""
+    from source_ranks import watchdog_rank
+
+    run_ranks(watchdog_rank, 2, str(tmp_path), TIMEOUT_S, EVAL_S)
+    got = torch.load(tmp_path / "rank1.pt")
+    assert got["outcome"] != "completed" and TIMEOUT_S - 0.5 <= got["waited"] < EVAL_S - 1.0, got
+
+
 def test_a_failure_in_a_rank0_phase_ends_the_waiting_ranks_with_its_cause():
     from megatron_tir.train.handoff import HandOff
 

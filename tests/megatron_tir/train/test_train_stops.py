@@ -85,7 +85,7 @@ def test_an_error_mid_run_is_exit_1_with_its_traceback_not_bad_input(capsys, cap
     def broken(*args, **kwargs):
         raise ValueError("a defect, not the user's input")
 
-    monkeypatch.setattr("megatron_tir.train.loop.build_update", broken)
+    monkeypatch.setattr("megatron_tir.train.algorithm.build_update", broken)
     with caplog.at_level(logging.ERROR):
         code, err = run_cli(capsys, "train", "--recipe", "tiny-cpu", "--out", str(tmp_path / "run"), *QUICK)
     assert code == 1 and "bad input" not in err and "error:" not in err
