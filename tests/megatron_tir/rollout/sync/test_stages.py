@@ -207,15 +207,21 @@ def restart_run(rank: int, world: int, configs: list, out: str) -> None:
         torch.save(result, out)
 
 
-def test_a_server_that_restarted_gets_new_groups_from_every_stage(tmp_path):
+def _two_servers(tmp_path) -> list:
+    """Two stand-in servers' configs (tiny-qwen2, free ports, logs in ``tmp_path``): the process tests start them."""
     from megatron_tir.model_sources import resolve_model
-    from megatron_tir.policy.parallel import run_ranks
     from megatron_tir.ports import free_port
     from megatron_tir.rollout.engines.sglang import SGLangServerConfig
 
-    configs = [SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
-                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
-               for i in range(2)]
+    return [SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
+                               launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
+            for i in range(2)]
+
+
+def test_a_server_that_restarted_gets_new_groups_from_every_stage(tmp_path):
+    from megatron_tir.policy.parallel import run_ranks
+
+    configs = _two_servers(tmp_path)
     run_ranks(restart_run, 2, configs, str(tmp_path / "result.pt"))
     r = torch.load(tmp_path / "result.pt", weights_only=False)
     assert r["versions"] == (1, 2) and r["rebuilds"] == 1
@@ -286,14 +292,9 @@ def late_run(rank: int, world: int, configs: list, out: str) -> None:
 
 
 def test_a_server_later_than_the_wait_is_left_out_of_every_stage_and_rejoins_the_next_sync(tmp_path):
-    from megatron_tir.model_sources import resolve_model
     from megatron_tir.policy.parallel import run_ranks
-    from megatron_tir.ports import free_port
-    from megatron_tir.rollout.engines.sglang import SGLangServerConfig
 
-    configs = [SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(), random_seed=0,
-                                  launcher=(sys.executable, str(FAKE_SERVER)), log_file=str(tmp_path / f"s{i}.log"))
-               for i in range(2)]
+    configs = _two_servers(tmp_path)
     run_ranks(late_run, 2, configs, str(tmp_path / "result.pt"))
     r = torch.load(tmp_path / "result.pt", weights_only=False)
     assert r["versions"] == [1, 2, 3] and r["rebuilds"] == 2
