@@ -34,7 +34,8 @@ LOCAL_RUN_ROOT = "runs"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tir-launch", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="tir-launch", description=__doc__.split("\n")[0].replace("``", ""),
+                                usage="tir-launch [options]  |  tir-launch plan --recipe R --cluster FILE [--allow]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[1:6]))
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

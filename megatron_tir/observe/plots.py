@@ -65,9 +65,9 @@ def moving_average(values: Sequence[float], n: int) -> list[float]:
 def _style_axis(ax, title: str, ylabel: str, runs: Sequence[Run]) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
     steps = [r["step"] for run in runs for r in run.rows]
     lo, hi = min(steps), max(steps)
     ax.set_xlim(lo - 0.5, hi + 0.5)  # every panel spans the run's steps, a single step included
@@ -82,8 +82,26 @@ def _style_axis(ax, title: str, ylabel: str, runs: Sequence[Run]) -> None:
         for s in run.budget_switches():
             ax.axvline(s, color="grey", linestyle=":", linewidth=1, label=None if marked else "budget switch")
             marked = True
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=6)
+    handles, labels = ax.get_legend_handles_labels()
+    if len(runs) > 1 and handles:  # one entry per run (its colour) and one per series (its line style)
+        handles, labels = _run_and_series_legend(handles, labels)
+    if handles:
+        ax.legend(handles, labels, fontsize=8, framealpha=0.7, ncol=2 if len(handles) > 4 else 1)
+
+
+def _run_and_series_legend(handles, labels) -> tuple[list, list[str]]:
+    """Entries ``run: series`` of every run x series pair -> one per run plus one per series."""
+    from matplotlib.lines import Line2D
+
+    runs, series = {}, {}
+    for h, label in zip(handles, labels):
+        run, sep, name = label.partition(": ")
+        if not sep:  # a marker of its own (the budget switch)
+            series.setdefault(label, h)
+            continue
+        runs.setdefault(run, Line2D([], [], color=h.get_color(), linewidth=2))
+        series.setdefault(name, Line2D([], [], color="grey", linestyle=h.get_linestyle()))
+    return [*runs.values(), *series.values()], [*runs, *series]
 
 
 def _lines(ax, runs: Sequence[Run], keys: Sequence[tuple[str, str]], smooth: int) -> bool:
