@@ -120,7 +120,7 @@ def config_from_args(args: argparse.Namespace):
 def run_eval_command(args: argparse.Namespace) -> int:
     from megatron_tir.eval.runner import run_eval
 
-    from megatron_tir.eval.report import format_table
+    from megatron_tir.eval.report import METRICS_KEY, TABLE_KEY, format_table
     from megatron_tir.eval.runner import metrics_path
 
     cfg = config_from_args(args)
@@ -131,8 +131,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
           f"{r.temperature:g} | top-p {r.top_p:g}")
     for line in result.metrics.lines():
         print(line)
+    print(f"  ({METRICS_KEY})")
     print()
     print(format_table(result.rows))
+    print(f"  ({TABLE_KEY})")
     if cfg.out:
         print(f"per-sample results: {cfg.out}")
         print(f"metrics: {metrics_path(cfg.out)}")

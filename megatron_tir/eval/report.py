@@ -106,6 +106,13 @@ def report_rows(datasets: Sequence[tuple[str, Sequence[Group]]]) -> list[dict]:
     return rows
 
 
+TABLE_KEY = ("source: * = every data source of the dataset, then one row per source; avg@n: mean reward of the n "
+             "samples; pass@k / maj@k: a correct answer among k samples / the majority answer of k is correct "
+             "(unbiased over n); turns: mean turns; code_use: turns with a code block; void: void turns")
+METRICS_KEY = ("finish_ratio: trajectories the model ended itself (a final answer or a void turn), not the turn or "
+               "token budget or the infrastructure; completed_ratio: trajectories that ended with a final answer")
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """One plain-text table of the rows (percentages; n/a where undefined)."""
     if not rows:

@@ -169,6 +169,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
             seen["void"] += traj.has_void_turn
             if sink is not None:
                 rec = trajectory_record(traj, tokenizer)  # the record format of training's rollout dumps
+                rec["split"] = "eval"
+                rec["question"] = problems[traj.group_id].messages[-1]["content"]  # group ids: problem indices
                 sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 sink.flush()
             if bar is not None:

@@ -188,6 +188,10 @@ def test_eval_end_to_end_scripted_model_writes_code_and_answers(capsys, monkeypa
                   key=lambda r: (r["group_id"], r["sample_index"]))
     assert [r["reward"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
     assert [r["final_answer"] for r in rows] == ["2", "2", "6", "6"]
+    assert [r["question"] for r in rows] == ["What is 1+1?"] * 2 + ["What is 2+3?"] * 2  # megatron-tir show prints it
+    from megatron_tir.observe.show import render
+
+    assert "question: What is 2+3?" in render(rows[2])
     first = rows[0]
     assert [t["kind"] for t in first["turns"]] == ["code", "answer"]
     assert first["turns"][0]["tool"]["result"]["stdout"] == "2\n"
