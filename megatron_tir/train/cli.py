@@ -83,6 +83,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class RunFinished(Exception):
+    """``--resume`` of a run that has done all its steps (exit 0: a requeued job of a finished run ends cleanly)."""
+
+
 def prepare(args: argparse.Namespace):
     """(config, run dir, trainer state, overrides to record) from the arguments; ValueError on bad input."""
     from megatron_tir.train import checkpoint_integrity as integrity
@@ -119,6 +123,9 @@ def prepare(args: argparse.Namespace):
         latest = check_resume(run_dir, cfg)  # before anything slow (megatron_tir.train.preflight)
         state = TrainerState(**json.loads((latest / STATE).read_text()))
     check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
+    if args.resume is not None and cfg.trainer.steps == state.step:
+        raise RunFinished(f"{run_dir} has done all its {state.step} steps: nothing to do (continue it with "
+                          f"--set trainer.steps=N)")
     if cfg.trainer.steps <= state.step:
         raise ValueError(f"trainer.steps={cfg.trainer.steps} but the run has done {state.step} steps already")
     recorded = [{"step": state.step + 1, "key": k, "value": v}
@@ -176,7 +183,12 @@ def run_train_command(args: argparse.Namespace) -> int:
     from megatron_tir.train.run import run_training
 
     tune_malloc()  # freed tensor memory goes back to the system (a fixed mmap threshold: megatron_tir.malloc)
-    cfg, run_dir, state = prepare(args)
+    try:
+        cfg, run_dir, state = prepare(args)
+    except RunFinished as done:  # a requeued job of a finished run (the sbatch resumes when there is a checkpoint)
+        if _rank() == 0:
+            print(f"megatron-tir: {done}")
+        return 0
     if _rank() == 0 and (note := load_note()):
         log.warning("%s", note)
     try:

@@ -107,7 +107,7 @@ class LocalEngineConfig:
     release_idle_threads: bool = True
     # slot decoder with max_batch_size > 2, on CPU in float32: its products run over weights reordered
     # once into oneDNN's blocked layout (~0.54 GB for SmolLM2-135M, instead of the ~0.43 GB of
-    # transposed copies it uses otherwise); 1.45x the tokens/s at 16 rows (README, Local engine)
+    # transposed copies it uses otherwise); 1.45x the tokens/s at 16 rows (docs/benchmarks.md, Local engine)
     pack_weights: bool = True
     # slot decoder: K/V of finished requests kept (least recently used out) within this many tokens and
     # reused by requests that start with the same tokens, like SGLang's radix cache (engines.prefix_cache;

@@ -61,6 +61,11 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     assert {"step": 3, "key": "rollout.max_turns", "value": "10"} in s["overrides"]
     assert json.loads((run / "config.json").read_text())["rollout"]["max_turns"] == 10
 
+    # a requeued job of the finished run (the sbatch resumes whenever there is a checkpoint): exit 0, nothing run
+    p = cli("train", "--resume", str(run))
+    check_ok(p)
+    assert "has done all its 3 steps: nothing to do" in p.stdout and sorted(metrics(run)) == [0, 1, 2, 3]
+
     p = cli("plot", str(run))
     check_ok(p)
     assert (run / "plots" / "reward.png").is_file() and "reward.png" in p.stdout
