@@ -219,15 +219,17 @@ def build_figures(run_dirs: Sequence[str | os.PathLike], *, smooth: int = 0) -> 
             _style_axis(ax, title, ylabel, runs)
             fig.tight_layout()
             figures[f"{name}.png"] = fig
+    shown = [name for name in DASHBOARD if f"{name}.png" in figures]  # panels with data: no blank cell in the grid
     cols = 3
-    fig = Figure(figsize=(15, 10))
-    axes = fig.subplots((len(DASHBOARD) + cols - 1) // cols, cols)
-    for ax, name in zip(axes.flat, DASHBOARD):
+    rows = max(1, (len(shown) + cols - 1) // cols)
+    fig = Figure(figsize=(15, 10 * rows / 3))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, name in zip(axes.flat, shown):
         title, ylabel, draw = PANELS[name]
-        if draw(ax, runs, smooth):
-            _style_axis(ax, title, ylabel, runs)
-        else:
-            ax.set_axis_off()
+        draw(ax, runs, smooth)
+        _style_axis(ax, title, ylabel, runs)
+    for ax in list(axes.flat)[len(shown):]:  # the last row's empty cells
+        ax.set_axis_off()
     fig.suptitle(" vs ".join(r.name for r in runs) + " -- megatron-tir")
     fig.tight_layout()
     figures["dashboard.png"] = fig
