@@ -59,7 +59,7 @@ def test_bad_rows_are_named_by_row(tmp_path, capsys):
     rows = GSM8K + [{"question": "No marker", "answer": "the answer is 3"}, {"question": "", "answer": "#### 1"}]
     src = _jsonl(tmp_path / "bad.jsonl", rows)
     assert main(["data", str(src), "--out", str(tmp_path / "x.parquet")]) == 2
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (log lines of earlier tests' handlers may precede it)
     assert err == (f"megatron-tir: error: {src}: row 2: 'answer' has no '#### <number>' line (format gsm8k; "
                    f"--skip-bad leaves such rows out)")
     written, bad = prepare(src, tmp_path / "x.parquet", skip_bad=True)
