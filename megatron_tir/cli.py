@@ -41,9 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was set up (a caller that swaps
+    ``sys.stderr`` -- pytest's capture, a notebook -- would otherwise leave the handler on a closed stream)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=_CurrentStderr(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # megatron-core's bucket/config dumps and CPU fallback warnings, HF bars in log files (megatron_tir.observe.quiet)
