@@ -40,19 +40,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
 from megatron_tir.policy.build import build_gpt_model, te_available
 from megatron_tir.policy.routing import RoutingTap
-from megatron_tir.policy.checkpoint.layout import HF_FILES_DIR, read_meta, resolve_checkpoint
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.policy.learner_contract import AGGREGATIONS, KEEP_METRIC, LossFn, LossInputs, OutputFn, StepResult, TrainBatch
 from megatron_tir.policy.losses import TokenOutputs, ValueOutputs
 from megatron_tir.policy.microbatch import MicroBatch, padding_share, plan_microbatches
+from megatron_tir.policy.model_source import resolve_source
 from megatron_tir.policy.parallel import collective_device
-from megatron_tir.policy.spec import ModelSpec, spec_from_hf_dir
 from megatron_tir.policy.value_head import VALUE_HEAD_KEY
 from megatron_tir.policy.weights import bucket_layout, hf_buckets, load_hf_weights, stage_buckets
 
@@ -62,29 +60,6 @@ log = logging.getLogger(__name__)
 # denominator after a loss's ``KEEP_METRIC`` (kept tokens / rows), or, without one, before it; and before
 # it in any case (the stages that hold no loss mask learn the step's count from it)
 _KEPT, _UNFILTERED, _TOTAL = "\0kept", "\0unfiltered", "\0total"
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class ModelSource:
-    """Where a learner's weights came from: the model, its HF config and files, the checkpoint (or None)."""
-
-    spec: ModelSpec
-    hf_config: dict
-    hf_files: Path  # config + tokenizer (and, for an HF source, the weights)
-    checkpoint: Path | None
-
-
-def resolve_source(model: str) -> ModelSource:
-    from megatron_tir.model_sources import is_checkpoint, resolve_model
-
-    path = Path(model)
-    if is_checkpoint(path):  # a policy checkpoint, a step or a run directory: its weights, by sharded keys
-        ckpt = resolve_checkpoint(path)
-        meta = read_meta(ckpt)
-        return ModelSource(spec=meta.spec, hf_config=meta.hf_config, hf_files=ckpt / HF_FILES_DIR, checkpoint=ckpt)
-    hf_dir = resolve_model(model)
-    spec, config = spec_from_hf_dir(hf_dir)
-    return ModelSource(spec=spec, hf_config=config, hf_files=hf_dir, checkpoint=None)
-
 
 class Learner:
     """See the module docstring. Attributes: ``tokenizer``, ``spec``, ``config``, ``source``, ``frozen``;

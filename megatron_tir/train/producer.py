@@ -13,7 +13,7 @@ One strategy per ``trainer.async`` mode, chosen once:
   prompt position a checkpoint records is then the first one not consumed, with the consumed
   positions past it.
 
-A new mode is one strategy class (``submit``, ``take``, ``hold``, ``stop``).
+A new mode is one strategy class (``submit``, ``take``, ``hold``, ``poke``, ``stop``).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class Rounds:
     @property
     def running(self) -> bool:
         return False
+
+    def poke(self) -> None:
+        pass
 
     def stop(self) -> None:
         pass
@@ -221,8 +224,8 @@ class Producer:
         return deal_rows(r, self.dp_size)
 
     def poke(self) -> None:
-        if isinstance(self.strategy, Continuous):
-            self.strategy.poke()
+        """After a weight sync (the strategy's: ``full`` may admit more groups)."""
+        self.strategy.poke()
 
     def stop(self) -> None:
         self.strategy.stop()
