@@ -158,15 +158,18 @@ class ValueLoss:
     the model's own tokens only (ZeroTIR's value masking). Metrics: ``value_clipped``, ``value``."""
 
     clip: float | None = 0.2
+    clip_high: float | None = None  # the clip above the old value (None: clip; ZeroTIR's fork: 0.28)
 
     def __post_init__(self) -> None:
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"value clip must be > 0 (or null), got {self.clip}")
+        if self.clip_high is not None and not self.clip_high > 0:
+            raise ValueError(f"value clip_high must be > 0 (or null), got {self.clip_high}")
 
     def __call__(self, output_bL1: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from megatron_tir.rl.critic import value_loss_BT
 
         values_bL = aligned_values(output_bL1)
         loss_bL, clipped_bL = value_loss_BT(values_bL, inputs.extras["old_values_BT"], inputs.extras["returns_BT"],
-                                            clip=self.clip)
+                                            clip=self.clip, clip_high=self.clip_high)
         return loss_bL, {"value_clipped": clipped_bL, "value": values_bL.detach()}

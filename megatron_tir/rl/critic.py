@@ -4,12 +4,21 @@ GAE over the model's own tokens only, the clipped value loss and explained varia
 Masking (ZeroTIR, arXiv 2505.07773, "value-function masking"): the critic is trained on the
 tokens the policy wrote, never on the interpreter's output. Here ``mask_BT`` is the model-token
 mask (``loss_mask_BT`` of the rollout batch: 1 on sampled tokens, 0 on prompt, feedback and
-padding). GAE runs right to left over the model tokens of each row and **skips** every other
-token: the next value and the running advantage are carried across a feedback span unchanged,
-as verl's ``core_algos.compute_gae_advantage_return`` does for multi-turn observations. So the
-feedback tokens are not steps of the MDP: with ``gamma = lam = 1`` and an outcome reward on the
-last model token the advantage of model token t is ``R - V(s_t)``, and the values the critic
-outputs on feedback tokens change nothing.
+padding). Two ways to cross a feedback span (``across_feedback``):
+
+* ``carry`` (default) -- GAE runs right to left over the model tokens of each row and **skips**
+  every other token: the next value and the running advantage are carried across a feedback span
+  unchanged, as verl's ``core_algos.compute_gae_advantage_return`` does for multi-turn
+  observations. The feedback tokens are not steps of the MDP: with ``gamma = lam = 1`` and an
+  outcome reward on the last model token the advantage of model token t is ``R - V(s_t)``, and the
+  values the critic outputs on feedback tokens change nothing.
+* ``reset`` -- ZeroTIR's script (yyht/openrlhf_async_pipline at 63b6159,
+  ``openrlhf/trainer/ppo_utils/experience_maker.py`` ``get_advantages_and_returns`` with
+  ``--use_env_mask``): values and rewards are zeroed on feedback tokens and the running advantage
+  is multiplied by the mask at every token (``lastgaelam *= env_mask[:, t]``), so a feedback
+  token ends the episode for the model tokens before it: the next value there is 0 and nothing
+  of later turns flows back. With ``gamma = lam = 1`` and no KL term, every model token of an
+  earlier turn gets ``A = -V(s_t)`` and return 0; only the last turn sees the outcome.
 
 Shapes: ``B`` rows, ``T`` tokens (the log-prob columns: position t scores token t + 1 of the
 row, exactly as the policy's log-probs; the values are aligned the same way).
@@ -18,6 +27,8 @@ row, exactly as the policy's log-probs; the values are aligned the same way).
 from __future__ import annotations
 
 import torch
+
+GAE_ACROSS_FEEDBACK = ("carry", "reset")  # critic.gae_across_feedback: verl's multi-turn GAE | ZeroTIR's script
 
 
 def last_token_index_B(mask_BT: torch.Tensor) -> torch.Tensor:
@@ -45,17 +56,21 @@ def token_rewards_BT(rewards_B: torch.Tensor, mask_BT: torch.Tensor, *, logprobs
 
 
 def gae_BT(token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, *, gamma: float = 1.0,
-           lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+           lam: float = 1.0, across_feedback: str = "carry") -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages_BT, returns_BT)`` by generalised advantage estimation over model tokens only.
 
-    For model tokens t < t' adjacent among model tokens (any feedback between them skipped)::
+    ``carry``: for model tokens t < t' adjacent among model tokens (any feedback between them skipped)::
 
         delta_t = r_t + gamma * V(t') - V(t)          (V after the last model token: 0)
         A_t     = delta_t + gamma * lam * A_t'
         R_t     = A_t + V(t)
 
+    ``reset``: the same with t' = t + 1 only when it is a model token; a model token followed by a
+    feedback token (or by nothing) has ``V(t') = 0`` and ``A_t' = 0``.
     Both are 0 outside ``mask_BT``; the advantages are not whitened (the caller decides).
     """
+    if across_feedback not in GAE_ACROSS_FEEDBACK:
+        raise ValueError(f"across_feedback must be one of {', '.join(GAE_ACROSS_FEEDBACK)}, got {across_feedback!r}")
     assert token_rewards_BT.shape == values_BT.shape == mask_BT.shape and mask_BT.dim() == 2
     mask_BT = mask_BT.float()
     values_BT = values_BT.float() * mask_BT
@@ -68,26 +83,30 @@ def gae_BT(token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: tor
         m_B = mask_BT[:, t]
         delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
         adv_B = delta_B + gamma * lam * last_adv_B
-        # on a model token: take the new values; elsewhere carry the old ones across
-        last_adv_B = m_B * adv_B + (1 - m_B) * last_adv_B
-        next_value_B = m_B * values_BT[:, t] + (1 - m_B) * next_value_B
+        if across_feedback == "carry":  # on a model token: take the new values; elsewhere carry the old ones across
+            last_adv_B = m_B * adv_B + (1 - m_B) * last_adv_B
+            next_value_B = m_B * values_BT[:, t] + (1 - m_B) * next_value_B
+        else:  # reset: every other token zeroes both (its value is 0 and lastgaelam *= mask)
+            last_adv_B = m_B * adv_B
+            next_value_B = values_BT[:, t]
         adv_BT[:, t] = m_B * adv_B
     returns_BT = (adv_BT + values_BT) * mask_BT
     return adv_BT, returns_BT
 
 
 def value_loss_BT(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor, *,
-                  clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  clip: float | None, clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss (PPO, as OpenRLHF's ``ValueLoss``) and the clip indicator::
 
-        v_clip = old + clamp(v - old, -clip, clip)
+        v_clip = old + clamp(v - old, -clip, clip_high)          (clip_high None: clip)
         l      = 0.5 * max((v - R)^2, (v_clip - R)^2)        (clip None: 0.5 * (v - R)^2)
 
-    The caller aggregates over the model-token mask (value masking)."""
+    ``clip_high`` other than ``clip``: the asymmetric clip of ZeroTIR's fork (``--value_clip 0.2``,
+    ``--value_clip_high 0.28``). The caller aggregates over the model-token mask (value masking)."""
     unclipped_BT = (values_BT - returns_BT) ** 2
     if clip is None:
         return 0.5 * unclipped_BT, torch.zeros_like(unclipped_BT)
-    v_clip_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
+    v_clip_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip if clip_high is None else clip_high)
     clipped_BT = (v_clip_BT - returns_BT) ** 2
     return 0.5 * torch.maximum(unclipped_BT, clipped_BT), (clipped_BT > unclipped_BT).float().detach()
 

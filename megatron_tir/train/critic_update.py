@@ -10,7 +10,8 @@ policy's weights or ``critic.model``) with its own optimizer and lr. Per step:
    ``kl_reward_coef`` * k1(behaviour vs reference) on model tokens (KL in the reward, as
    OpenRLHF / ZeroTIR; the KL *loss* is ``trainer.loss.kl_coef``, a separate switch);
 3. GAE over **model tokens only** (``megatron_tir.rl.critic.gae_BT``: feedback tokens are not
-   steps and get neither advantage nor value loss -- value masking), then the advantages are
+   steps and get neither advantage nor value loss -- value masking; ``gae_across_feedback``: whether
+   the running advantage crosses a feedback span or restarts there), then the advantages are
    normalised over the batch's model tokens (``critic.whiten``: ``batch`` centres and scales, as
    verl's ``masked_whiten`` and OpenRLHF do; ``rms`` only divides by their root mean square,
    keeping each token's sign -- the critic is the baseline --, which is what a mode that drops
@@ -19,7 +20,8 @@ policy's weights or ``critic.model``) with its own optimizer and lr. Per step:
 4. per mini-batch: one critic step on the clipped value loss, with the same row roles as the
    policy loss (``megatron_tir.rl.rows``: the update batch already holds only the rows and
    tokens the mode trains), then the policy step -- except in the first ``warmup_steps`` steps
-   (critic-only warm-up).
+   (critic-only warm-up; with ``filter_in_warmup`` false the group filter is off in those steps:
+   :func:`warmup_unfiltered`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
-from megatron_tir.rl.critic import gae_BT, token_rewards_BT
+from megatron_tir.rl.critic import GAE_ACROSS_FEEDBACK, gae_BT, token_rewards_BT
 from megatron_tir.train.row_stats import RowStats
 
 
@@ -40,8 +42,16 @@ class CriticConfig:
     lr: float = 1e-5  # the critic's learning rate
     warmup_steps: int = 0  # first steps train the critic only
     value_clip: float | None = 0.2  # None: unclipped value loss
+    value_clip_high: float | None = None  # the value clip above the old value (None: value_clip; ZeroTIR: 0.28)
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
+    # carry: the running advantage and next value cross a feedback span (verl's multi-turn GAE) | reset: a
+    # feedback token zeroes both (ZeroTIR's script, ``lastgaelam *= env_mask[:, t]``); docs/training.md
+    gae_across_feedback: str = "carry"
+    # the value loss's aggregation (None: trainer.loss.aggregation); ZeroTIR's critic: seq_mean
+    aggregation: str | None = None
+    # false: the warm-up steps train the critic on every sampled group (no group filter, as ZeroTIR's fork)
+    filter_in_warmup: bool = True
     kl_reward_coef: float = 0.0  # KL in the reward (k1 against the frozen reference); 0: off
     whiten: str = "batch"  # batch | rms | off: how the GAE advantages are normalised over the batch's model tokens
 
@@ -52,6 +62,13 @@ class CriticConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ValueError(f"value_clip must be > 0 (or null), got {self.value_clip}")
+        if self.value_clip_high is not None and (self.value_clip is None or not self.value_clip_high > 0):
+            raise ValueError(f"value_clip_high must be > 0 and needs value_clip, got {self.value_clip_high}")
+        if self.gae_across_feedback not in GAE_ACROSS_FEEDBACK:
+            raise ValueError(f"gae_across_feedback must be one of {', '.join(GAE_ACROSS_FEEDBACK)}, "
+                             f"got {self.gae_across_feedback!r}")
+        if self.aggregation is not None and self.aggregation not in ("token_mean", "seq_mean"):
+            raise ValueError(f"aggregation must be token_mean, seq_mean or null, got {self.aggregation!r}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.kl_reward_coef < 0:
@@ -61,6 +78,13 @@ class CriticConfig:
 
 
 WHITEN = ("batch", "rms", "off")
+
+
+def warmup_unfiltered(cfg: CriticConfig, *, uses_critic: bool, step: int) -> bool:
+    """Whether step ``step`` (1-based) samples without the group filter: a critic-only warm-up step with
+    ``filter_in_warmup`` false (ZeroTIR's fork runs its accuracy and eval filters only once the actor
+    trains: ``steps > freezing_actor_steps``, ``ppo_trainer.py`` 260)."""
+    return uses_critic and not cfg.filter_in_warmup and step <= cfg.warmup_steps
 
 
 def _whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, *, local_rows: bool = False,
@@ -100,7 +124,8 @@ def gae_advantages(batch: TrainBatch, rewards_B: torch.Tensor, values_BT: torch.
         raise ValueError("critic.kl_reward_coef > 0 needs the behaviour and the reference log-probs")
     rewards_BT = token_rewards_BT(rewards_B, model_mask_BT, logprobs_BT=behaviour_BT, ref_logprobs_BT=ref_BT,
                                   kl_coef=cfg.kl_reward_coef)
-    adv_BT, returns_BT = gae_BT(rewards_BT, values_BT, model_mask_BT, gamma=cfg.gamma, lam=cfg.lam)
+    adv_BT, returns_BT = gae_BT(rewards_BT, values_BT, model_mask_BT, gamma=cfg.gamma, lam=cfg.lam,
+                                across_feedback=cfg.gae_across_feedback)
     if cfg.whiten != "off":
         adv_BT = _whiten(adv_BT, batch.loss_mask_BT, local_rows=local_rows, centre=cfg.whiten == "batch")
     extras = dict(batch.extras, advantages_BT=adv_BT * batch.loss_mask_BT, returns_BT=returns_BT,
@@ -144,7 +169,8 @@ def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, 
     """One optimizer step of the critic on the mini-batch's value loss (its model tokens only)."""
     from megatron_tir.policy.losses import ValueLoss
 
-    r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip), aggregation=aggregation, local_rows=local_rows)
+    r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip, clip_high=cfg.value_clip_high),
+                          aggregation=cfg.aggregation or aggregation, local_rows=local_rows)
     if r.empty:  # every token of the mini-batch masked: no step (the same on every rank)
         return {"critic/empty": 1.0}
     return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
