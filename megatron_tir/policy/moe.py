@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megatron_tir.policy.spec import ModelSpec
 
-ROUTING_REPLAY_MODES = ("none", "old-pass", "rollout")
+ROUTING_REPLAY_MODES = ("none", "old_pass", "rollout")  # trainer.ppo.routing_replay (policy.routing.UpdateRouting)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

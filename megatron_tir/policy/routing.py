@@ -44,6 +44,9 @@ class RoutingTap:
         self.micro_batch = None  # set by the learner before each micro-batch's forward
         self.recorded: torch.Tensor | None = None
         self.changed_share: float | None = None
+        self.changed_pairs: tuple[int, int] = (0, 0)  # after a pass with a reference: (changed, compared) pairs
+        # the model's (1-based) layer number of each of this stage's routers (a stage holds some layers under PP)
+        self.layer_numbers = [r.layer_number for r in self.routers]
         self._replay: torch.Tensor | None = None
         self._reference: torch.Tensor | None = None
         self._shape: tuple[int, int] | None = None
@@ -78,6 +81,8 @@ class RoutingTap:
         reference = self._replay if self._replay is not None else self._reference
         self.changed_share = (float(self._changed[0] / self._changed[1])
                               if reference is not None and self._changed[1] > 0 else None)
+        self.changed_pairs = ((int(self._changed[0]), int(self._changed[1])) if reference is not None
+                              else (0, 0))
         for router in self.routers:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
@@ -156,9 +161,93 @@ class RoutingTap:
                 if not mb.weight:
                     continue  # a stand-in micro-batch (no rows of this rank)
                 self.recorded[row, start:end, layer] = used_bLK[i, :end - start].to(torch.int16)
-                if reference is not None:
+                if reference is not None:  # tokens the reference has no routing for (-1) are not compared
                     ref = reference[row, start:end, layer].to(torch.long).sort(dim=-1).values
-                    self._changed[0] += (natural_bLK[i, :end - start] != ref).any(dim=-1).sum().item()
-                    self._changed[1] += end - start
+                    known = (ref >= 0).all(dim=-1)
+                    self._changed[0] += ((natural_bLK[i, :end - start] != ref).any(dim=-1) & known).sum().item()
+                    self._changed[1] += known.sum().item()
             return None
         return hook
+
+
+class UpdateRouting:
+    """One update's routing replay on the policy's :class:`RoutingTap` (``trainer.ppo.routing_replay``).
+
+    * ``none``: every pass routes freely; the top-k changed share of the update against the old pass.
+    * ``old_pass``: the routing of the old-log-prob pass (the tap's record after it: ``[B, T, layers of
+      this stage, k]`` of the update's rows) is replayed in every micro-batch of every policy-update step.
+    * ``rollout``: the engine's routing, carried per token with the rows (``[B, T, model layers, k]``
+      logical expert ids, -1 where the engine reported none: a token is then routed freely), replayed
+      the same way; this stage's layers are picked by the routers' layer numbers.
+
+    The record is keyed by the update's rows: ``mini_batch(select_B)`` hands the mini-batch's rows
+    (``record[select_B]``, the rows ``train.batch.mini_batches`` selects, in their order) to the tap,
+    which maps them onto the micro-batches by each micro-batch's rows and spans (``RoutingTap._tokens``);
+    a pipeline stage replays its own layers. ``finish()``: ``routing/topk_changed_share`` -- the share
+    of (token, layer) pairs whose router top-k in the update differs from the reference routing (the
+    old pass's, or the rollout's), summed over every rank's pairs (one all-reduce; every rank calls it).
+    """
+
+    def __init__(self, tap: RoutingTap, mode: str) -> None:
+        from megatron_tir.policy.moe import ROUTING_REPLAY_MODES
+
+        if mode not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing replay must be one of {', '.join(ROUTING_REPLAY_MODES)}, got {mode!r}")
+        self.tap, self.mode = tap, mode
+        self._record: torch.Tensor | None = None
+        self._counts = torch.zeros(2, dtype=torch.float64)  # changed pairs, compared pairs
+
+    def start(self, *, old_pass: bool, rollout_BTLK: torch.Tensor | None = None) -> None:
+        """Call after the old-log-prob pass (``old_pass``: it ran on the policy, so the tap holds its
+        record) with the rows' rollout routing where the mode is ``rollout``."""
+        self._counts.zero_()
+        if self.mode == "rollout":
+            if rollout_BTLK is None:
+                raise ValueError("trainer.ppo.routing_replay=rollout, but the rows carry no rollout routing "
+                                 "(the engine did not return routed experts)")
+            self._record = self._stage_layers(rollout_BTLK)
+        else:
+            self._record = self.tap.recorded if old_pass else None
+
+    def _stage_layers(self, record_BTLK: torch.Tensor) -> torch.Tensor:
+        if record_BTLK.dim() != 4 or record_BTLK.shape[3] != self.tap.k:
+            raise ValueError(f"rollout routing must be [B, T, layers, {self.tap.k}], got {tuple(record_BTLK.shape)}")
+        if max(self.tap.layer_numbers) > record_BTLK.shape[2]:
+            raise ValueError(f"rollout routing has {record_BTLK.shape[2]} layers; this stage's routers reach layer "
+                             f"{max(self.tap.layer_numbers)}")
+        return record_BTLK[:, :, [n - 1 for n in self.tap.layer_numbers]]
+
+    @contextlib.contextmanager
+    def mini_batch(self, select_B: torch.Tensor) -> Iterator[None]:
+        """The policy passes inside are of the update's rows ``select_B`` (a bool mask or indices)."""
+        if self._record is None:
+            yield
+            return
+        record = self._record[select_B]
+        context = self.tap.compare_to(record) if self.mode == "none" else self.tap.replaying(record)
+        self.tap.changed_pairs = (0, 0)  # stays so when no pass runs inside (a critic's warm-up step)
+        with context:
+            yield
+        self._counts += torch.tensor(self.tap.changed_pairs, dtype=torch.float64)
+
+    def finish(self) -> dict[str, float]:
+        """The update's ``routing/topk_changed_share`` (every rank; nothing without a reference)."""
+        if self._record is None:  # no old pass to compare with (the same on every rank: the config decides)
+            return {}
+        from megatron_tir.policy.parallel import collective_device
+
+        counts = self._counts.to(collective_device())
+        torch.distributed.all_reduce(counts)
+        self._record = None
+        return {"routing/topk_changed_share": float(counts[0] / counts[1])} if counts[1] > 0 else {}
+
+
+def update_routing(policy, mode: str) -> UpdateRouting | None:
+    """The update's routing of ``policy`` (a ``Learner``): None for a dense model, where only ``none`` is
+    accepted."""
+    tap = getattr(policy, "routing", None)
+    if tap is None:
+        if mode != "none":
+            raise ValueError(f"trainer.ppo.routing_replay={mode} needs an MoE policy (a dense model routes nothing)")
+        return None
+    return UpdateRouting(tap, mode)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,7 @@ from megatron_tir.observe.probe import TurnProbe
 from megatron_tir.policy.checkpoint.layout import CRITIC, POLICY
 from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
+from megatron_tir.policy.routing import update_routing
 from megatron_tir.rl import MODES, PolicyLoss, needs_values
 from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update, with_behaviour_weights
 from megatron_tir.train.config import TrainConfig
@@ -75,6 +76,7 @@ class PolicyGradient:
         self.temperature = cfg.rollout.temperature or 1.0
         self.high_ratio_bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
         self._step_state = None
+        self.routing = update_routing(policy, tc.ppo.routing_replay)  # MoE: None on a dense policy
 
     @property
     def learners(self) -> dict:
@@ -95,6 +97,9 @@ class PolicyGradient:
                 old_BT = rows.engine_logprobs_BT
             ref_BT = None if self.reference is None else self.reference.logprobs(
                 rows.tokens_BT, rows.attention_mask_BT, temperature=self.temperature, local_rows=True, tick=tick)
+        if self.routing is not None:  # after the old pass: the routing its rows replay (or compare with)
+            self.routing.start(old_pass=tc.ppo.old_logprobs == "learner",
+                               rollout_BTLK=getattr(rows, "routed_experts_BTLK", None))  # none yet: config refuses rollout
         values_BT = self._values(rows, timings)
         stats = None
         if rows.loss_mask_BT is not None:  # this stage computes the loss
@@ -128,7 +133,7 @@ class PolicyGradient:
             "train/empty_steps": float(sum(r.empty for r in results)),  # every loss token masked: no step taken
             "train/nonfinite_weights": float(sum(not r.weights_finite for r in results)),
             "train/max_ratio": float(max_ratio),
-        } | self._family_metrics(s) | _offpolicy_metrics(s.stats)
+        } | self._family_metrics(s) | _offpolicy_metrics(s.stats) | (self.routing.finish() if self.routing else {})
         trained = [r for r in results if not r.empty]  # the same on every rank (warm-up and the empty steps are)
         if trained:
             metrics |= {"train/loss": sum(r.loss for r in trained) / len(trained),
@@ -149,8 +154,9 @@ class PolicyGradient:
         update = self.prepare(step, got, timings)
         with timed(timings, "train"), _phase_bar(tc.progress, "update", tc.ppo.epochs * got.mini_batches) as bar:
             for _ in range(tc.ppo.epochs):
-                for mb in mini_batches(update, got.mini_batches):
-                    self.steps(mb)
+                for k, mb in enumerate(mini_batches(update, got.mini_batches)):
+                    with self.routing.mini_batch(update.mini_batch_B == k) if self.routing else nullcontext():
+                        self.steps(mb)  # an MoE policy's update routes mini-batch k's rows as recorded
                     bar.update(1)
         return self.finish()
 

@@ -24,6 +24,7 @@ from megatron_tir.finite import check_finite
 from megatron_tir.import_path import is_import_path
 from megatron_tir.observe.config import LogConfig
 from megatron_tir.policy.learner_config import LearnerConfig
+from megatron_tir.policy.moe import ROUTING_REPLAY_MODES
 from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig, needs_values
 from megatron_tir.rollout.driver import RolloutConfig
@@ -119,6 +120,9 @@ class PPOConfig:
     epochs: int = 1  # passes over the batch per step
     mini_batches: int = 1  # optimizer steps per epoch
     old_logprobs: str = "learner"  # learner | engine
+    # MoE routing replay in the update (megatron_tir.policy.routing.UpdateRouting): none | old_pass (the experts
+    # of the old-log-prob pass) | rollout (the engine's routed experts, SGLang); routing/topk_changed_share each step
+    routing_replay: str = "none"
     # the update's Algorithm (megatron_tir.train.algorithm): auto (the estimator's family: critic_ppo for gae,
     # policy_gradient otherwise) | policy_gradient | critic_ppo | an import path module:Class of your own
     algorithm: str = "auto"
@@ -130,6 +134,11 @@ class PPOConfig:
                              f"(module:Class), got {self.algorithm!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay must be one of {', '.join(ROUTING_REPLAY_MODES)}, "
+                             f"got {self.routing_replay!r}")
+        if self.routing_replay == "old_pass" and self.old_logprobs != "learner":
+            raise ValueError("routing_replay=old_pass needs old_logprobs=learner (the old pass whose routing is replayed)")
         for name in ("epochs", "mini_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -265,6 +274,10 @@ class TrainConfig:
             raise ValueError(f"trainer.async={self.trainer.asynchrony.mode} cannot overlap with engine.colocated=true: "
                              f"generation and training share the GPUs (colocated engines free their memory for "
                              f"training; run the engines on their own GPUs, or trainer.async=off)")
+        if self.trainer.ppo.routing_replay == "rollout":  # policy.routing.UpdateRouting replays it once rows carry it
+            raise ValueError("trainer.ppo.routing_replay=rollout is not available yet: SGLang 0.5.23 returns routed "
+                             "experts (return_routed_experts), but trajectories do not carry them to the learner; "
+                             "use old_pass")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
