@@ -16,9 +16,9 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
   ``void: <reason>`` (SimpleTIR: a void turn), ``over-long`` (truncated, ``overlong=mask``),
   ``infrastructure: tool_failed | aborted``, ``no model tokens``.
 
-The trainer's decisions come in (:class:`RowFate`, from
-:meth:`megatron_tir.train.sampling.Collected.fates`: the group filter and the row roles of the
-update); this module only puts them in words, so a dump says what happened. Token ids, loss mask
+The trainer's decisions come in (:class:`~megatron_tir.rollout.batch.RowFate`, built by rank 0's
+producer from what its dynamic sampling recorded and its update plan); this module only puts
+them in words, so a dump says what happened. Token ids, loss mask
 and engine log-probs are added with ``trainer.log.dump_tokens=true``.
 """
 
@@ -29,10 +29,9 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_tir.rollout.batch import Group
+from megatron_tir.rollout.batch import Group, RowFate
 from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
 
 DUMP_DIR = "rollouts"
@@ -80,16 +79,6 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
-
-
-@dataclass(frozen=True, slots=True)
-class RowFate:
-    """What a step's update did with one sampled trajectory, as the trainer decided it
-    (:meth:`megatron_tir.train.sampling.Collected.fates`); :func:`update_records` says why in words."""
-    in_stats: bool  # its reward entered its group's statistics
-    in_loss: bool  # some model token of it got gradient
-    advantage: float | None  # mean over its model tokens; None: its group was not used, or a critic's GAE
-    group_rule: str | None = None  # its group was not used: a group-filter rule, "surplus" or "stale"
 
 
 def _why_not_in_loss(t: Trajectory, *, drop_void: bool, overlong: str) -> str:

@@ -44,18 +44,16 @@ class StepObserver:
         self._handler.setLevel(root.getEffectiveLevel())
         root.addHandler(self._handler)
 
-    def sampled(self, step: int, collected) -> None:
-        """After the step's rollouts (``collected``: :class:`megatron_tir.train.sampling.Collected`)."""
-        self._gen_tokens = sum(t.num_model_tokens for g in collected.sampled for t in g.trajectories)
+    def sampled(self, step: int, sampled, fates) -> None:
+        """After the step's rollouts: every group it sampled and what the step decided for each row
+        (``(group_id, sample_index) ->`` :class:`~megatron_tir.rollout.batch.RowFate`, rank 0's producer)."""
+        self._gen_tokens = sum(t.num_model_tokens for g in sampled for t in g.trajectories)
         if not self.log_cfg.dump_due(step):
             return
-        tc, f = self.cfg.trainer, self.cfg.trainer.filters
-        decided = collected.fates(mode=tc.mode, advantage=tc.ppo.advantage, overlong=f.overlong,
-                                  drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi,
-                                  min_rows=f.min_group_rows)
-        fates = update_records(collected.sampled, decided, drop_void=MODES[tc.mode].drop_void, overlong=f.overlong)
-        self._records += step_records(step, "train", collected.sampled, self.tokenizer,
-                                      include_ids=self.log_cfg.dump_tokens, fates=fates)
+        tc = self.cfg.trainer
+        records = update_records(sampled, fates, drop_void=MODES[tc.mode].drop_void, overlong=tc.filters.overlong)
+        self._records += step_records(step, "train", sampled, self.tokenizer,
+                                      include_ids=self.log_cfg.dump_tokens, fates=records)
 
     def held_out(self, step: int, groups, metrics: dict) -> None:
         """After a held-out evaluation: its groups and its metrics (``eval/*``, ``time/eval``)."""

@@ -8,8 +8,11 @@ engine's log-prob of that token where the mask is 1, else 0; ``versions_BT[b, t]
 weight version of the engine that sampled it where the mask is 1, else -1. A trainer that computes
 ``logp(token t | tokens < t)`` from the logits at ``t - 1`` compares against column ``t``.
 Trajectories keep their group order (group-major), ``group_index_B`` says which group
-(prompt) each row belongs to. Which rows a trainer trains is not decided here
-(:mod:`megatron_tir.rl.rows`).
+(prompt) each row belongs to. The per-row summaries (reward, group, status: :class:`RowSummaries`)
+are built in the same pass, and alone (:func:`row_summaries`) for what reads no ``[B, T]`` tensor
+(dynamic sampling's group filter). Which rows a trainer trains is not decided here
+(:mod:`megatron_tir.rl.rows`); what the update did with each sampled row comes back as a
+:class:`RowFate`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tir.data.problems import Problem
-from megatron_tir.rollout.trajectory import Trajectory
+from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus, Trajectory
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,40 +49,91 @@ class Group:
 
 
 @dataclass(kw_only=True, slots=True)
+class RowSummaries:
+    """Per trajectory of a list of groups (group-major): what the group filter and the row roles read."""
+    rewards_B: torch.Tensor  # float
+    group_index_B: torch.Tensor  # long: position of the row's group in the input (0..G-1)
+    void_B: torch.Tensor  # bool
+    infra_B: torch.Tensor  # bool: ended by infrastructure (megatron_tir.rollout.trajectory.INFRA_STATUSES)
+    truncated_B: torch.Tensor  # bool
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutBatch:
     tokens_BT: torch.Tensor  # long: prompt + response ids, right-padded with pad_id
     attention_mask_BT: torch.Tensor  # bool: real tokens
     loss_mask_BT: torch.Tensor  # float: 1 on policy-sampled response tokens
     engine_logprobs_BT: torch.Tensor  # float: the engine's (behaviour) log-probs where loss_mask is 1, else 0
     versions_BT: torch.Tensor  # long: weight version that sampled the token where loss_mask is 1, else -1
+    turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
     response_start_B: torch.Tensor  # long: index of the first response token (= prompt length)
     lengths_B: torch.Tensor  # long: prompt + response length
-    rewards_B: torch.Tensor  # float
-    group_index_B: torch.Tensor  # long: position of the row's group in the input (0..G-1)
     sample_index_B: torch.Tensor  # long
-    void_B: torch.Tensor  # bool
+    rows: RowSummaries  # rewards, groups, statuses
 
     @property
     def batch_size(self) -> int:
         return self.tokens_BT.shape[0]
+
+    @property
+    def rewards_B(self) -> torch.Tensor:
+        return self.rows.rewards_B
+
+    @property
+    def group_index_B(self) -> torch.Tensor:
+        return self.rows.group_index_B
+
+    @property
+    def void_B(self) -> torch.Tensor:
+        return self.rows.void_B
+
+
+@dataclass(frozen=True, slots=True)
+class RowFate:
+    """What a step's update did with one sampled trajectory, as the trainer decided it (rank 0's producer:
+    its dynamic sampling and its update plan); ``megatron_tir.observe.dumps.update_records`` says why in words."""
+    in_stats: bool  # its reward entered its group's statistics
+    in_loss: bool  # some model token of it got gradient
+    advantage: float | None  # mean over its model tokens; None: its group was not used, or a critic's GAE
+    group_rule: str | None = None  # its group was not used: a group-filter rule, "surplus" or "stale"
 
 
 def flatten(groups: Sequence[Group]) -> list[Trajectory]:
     return [t for g in groups for t in g.trajectories]
 
 
+def _indexed(groups: Sequence[Group]) -> list[tuple[int, Trajectory]]:
+    rows = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    for _, t in rows:
+        if t.reward is None:
+            raise ValueError(f"trajectory {t.group_id}/{t.sample_index} has no reward")
+    return rows
+
+
+def _summaries(rows: Sequence[tuple[int, Trajectory]]) -> RowSummaries:
+    return RowSummaries(
+        rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
+        group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
+        void_B=torch.tensor([t.status is FinishStatus.VOID for _, t in rows], dtype=torch.bool),
+        infra_B=torch.tensor([t.status in INFRA_STATUSES for _, t in rows], dtype=torch.bool),
+        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for _, t in rows], dtype=torch.bool))
+
+
+def row_summaries(groups: Sequence[Group]) -> RowSummaries:
+    """The per-row summaries of ``groups`` alone (no ``[B, T]`` tensors: dynamic sampling's group filter)."""
+    return _summaries(_indexed(groups))
+
+
 def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None) -> RolloutBatch:
-    """Pad every trajectory of ``groups`` (group-major order) into one batch.
+    """Pad every trajectory of ``groups`` (group-major order) into one batch, with its row summaries.
 
     ``max_len`` (optional) bounds T; a longer trajectory raises ValueError (cut it
     upstream with a smaller response budget instead of silently losing tokens).
     """
     if not groups:
         raise ValueError("collate needs at least one group")
-    rows: list[tuple[int, Trajectory]] = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    rows = _indexed(groups)
     for _, t in rows:
-        if t.reward is None:
-            raise ValueError(f"trajectory {t.group_id}/{t.sample_index} has no reward")
         if not (len(t.response_ids) == len(t.loss_mask) == len(t.response_logprobs) == len(t.response_versions)):
             raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: ids, mask, log-probs and versions differ "
                              "in length")
@@ -93,6 +147,7 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
     mask = torch.zeros((B, T), dtype=torch.float32)
     old_lp = torch.zeros((B, T), dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
+    turn_index = torch.full((B, T), -1, dtype=torch.long)
     for b, (_, t) in enumerate(rows):
         p, r = len(t.prompt_ids), len(t.response_ids)
         tokens[b, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
@@ -104,18 +159,19 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
             old_lp[b, p:p + r] = torch.where(m > 0, lp, torch.zeros_like(lp))
             v = torch.tensor(t.response_versions, dtype=torch.long)
             versions[b, p:p + r] = torch.where(m > 0, v, torch.full_like(v, -1))
+        for turn in t.turns:
+            turn_index[b, p + turn.start:p + turn.start + turn.model_tokens] = turn.index
     return RolloutBatch(
         tokens_BT=tokens,
         attention_mask_BT=attn,
         loss_mask_BT=mask,
         engine_logprobs_BT=old_lp,
         versions_BT=versions,
+        turn_index_BT=turn_index,
         response_start_B=torch.tensor([len(t.prompt_ids) for _, t in rows], dtype=torch.long),
         lengths_B=torch.tensor(lengths, dtype=torch.long),
-        rewards_B=torch.tensor([float(t.reward) for _, t in rows], dtype=torch.float32),
-        group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
         sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
-        void_B=torch.tensor([t.void for _, t in rows], dtype=torch.bool),
+        rows=_summaries(rows),
     )
 
 

@@ -3,8 +3,10 @@
 On rank 0 (:class:`~megatron_tir.train.producer.Producer`):
 
 1. :func:`megatron_tir.train.sampling.collect_groups` -- dynamic sampling; the group filter reads
-   per-row summaries (reward, status, group: :func:`row_summaries`), never ``[B, T]`` tensors;
-2. :func:`plan_update` -- the kept groups collated (:func:`to_tensors`), each row's roles
+   per-row summaries (reward, status, group: :func:`megatron_tir.rollout.batch.row_summaries`),
+   never ``[B, T]`` tensors;
+2. :func:`plan_update` -- on the kept groups collated (:func:`megatron_tir.rollout.batch.collate`:
+   the tensors and the row summaries in one record), each row's roles
    (:func:`megatron_tir.rl.rows.row_weights`), advantages over *every* counted row (void rows
    included), then only the rows some token of which is trained (:class:`TrainRows`), each
    with its mini-batch; rows no mode trains go no further (no log-probs are computed for them);
@@ -25,59 +27,7 @@ import torch
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, low_prob_keep_BT, row_weights
 from megatron_tir.rl.offpolicy import correction_BT
-from megatron_tir.rollout.batch import Group, collate
-from megatron_tir.rollout.trajectory import INFRA_STATUSES, FinishStatus
-
-
-@dataclass(kw_only=True, slots=True)
-class RowSummaries:
-    """Per trajectory of a list of groups (group-major): what the group filter and the row roles read."""
-    rewards_B: torch.Tensor
-    group_index_B: torch.Tensor  # position of the row's group in the list
-    void_B: torch.Tensor
-    infra_B: torch.Tensor  # ended by infrastructure (megatron_tir.rollout.trajectory.INFRA_STATUSES)
-    truncated_B: torch.Tensor
-
-
-def row_summaries(groups: Sequence[Group]) -> RowSummaries:
-    trajs = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
-    if any(t.reward is None for _, t in trajs):
-        raise ValueError("a trajectory has no reward")
-    return RowSummaries(
-        rewards_B=torch.tensor([float(t.reward) for _, t in trajs], dtype=torch.float32),
-        group_index_B=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
-        void_B=torch.tensor([t.status is FinishStatus.VOID for _, t in trajs], dtype=torch.bool),
-        infra_B=torch.tensor([t.status in INFRA_STATUSES for _, t in trajs], dtype=torch.bool),
-        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for _, t in trajs], dtype=torch.bool))
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutTensors:
-    """Kept groups collated (rank 0): the per-token inputs of the advantages and the rows."""
-    tokens_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor  # per token only (collate); rows are weighted in plan_update
-    engine_logprobs_BT: torch.Tensor  # the engine's log-probs of the sampled tokens (behaviour policy)
-    versions_BT: torch.Tensor  # weight version that sampled each loss token (collate); -1 elsewhere
-    turn_index_BT: torch.Tensor  # long: the turn index of each model token, -1 elsewhere (per-turn diagnostics)
-    rows: RowSummaries
-
-
-def to_tensors(groups: Sequence[Group], *, pad_id: int) -> RolloutTensors:
-    rb = collate(groups, pad_id=pad_id)
-    return RolloutTensors(tokens_BT=rb.tokens_BT, attention_mask_BT=rb.attention_mask_BT, loss_mask_BT=rb.loss_mask_BT,
-                          engine_logprobs_BT=rb.engine_logprobs_BT, versions_BT=rb.versions_BT,
-                          turn_index_BT=_turn_index_BT([t for g in groups for t in g.trajectories], rb.tokens_BT.shape),
-                          rows=row_summaries(groups))
-
-
-def _turn_index_BT(trajs, shape) -> torch.Tensor:
-    out = torch.full(shape, -1, dtype=torch.long)
-    for b, t in enumerate(trajs):
-        p = len(t.prompt_ids)
-        for turn in t.turns:
-            out[b, p + turn.start:p + turn.start + turn.model_tokens] = turn.index
-    return out
+from megatron_tir.rollout.batch import RolloutBatch
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,35 +129,36 @@ class UpdatePlan:
     trained_B: torch.Tensor  # of every collated row: some token of it gets gradient (= rows)
     advantages_B: torch.Tensor  # of every collated row: mean advantage over its model tokens
     versions_BT: torch.Tensor  # of the trained rows: weight version that sampled each loss token (rank 0's metrics)
+    estimated: bool  # the advantages are the group estimator's (False: zeros a critic's GAE fills in)
 
 
-def plan_update(rt: RolloutTensors, *, mode: str, advantage: str | None, overlong: str,
+def plan_update(rb: RolloutBatch, *, mode: str, advantage: str | None, overlong: str,
                 mini_batches: int) -> UpdatePlan:
     """Row roles and advantages (megatron_tir.rl.rows; ``advantage`` None: zeros, a critic's GAE
     fills them in), then the trained rows in ``mini_batches`` mini-batches of whole groups (fewer
     when there are fewer groups), in group order."""
-    s = rt.rows
+    s = rb.rows
     stats_B, loss_B = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B,
                                   drop_void=MODES[mode].drop_void, overlong=overlong)
     # advantages over every counted row first: void rows shape their group's statistics
     if advantage is None:
-        adv_BT = torch.zeros_like(rt.loss_mask_BT, dtype=torch.float32)
+        adv_BT = torch.zeros_like(rb.loss_mask_BT, dtype=torch.float32)
     else:
-        adv_BT = ADVANTAGE_ESTIMATORS[advantage](s.rewards_B, s.group_index_B, stats_B, rt.loss_mask_BT)
-    adv_B = (adv_BT * rt.loss_mask_BT).sum(1) / rt.loss_mask_BT.sum(1).clamp(min=1)
-    mask_BT = rt.loss_mask_BT * loss_B[:, None].float()
+        adv_BT = ADVANTAGE_ESTIMATORS[advantage](s.rewards_B, s.group_index_B, stats_B, rb.loss_mask_BT)
+    adv_B = (adv_BT * rb.loss_mask_BT).sum(1) / rb.loss_mask_BT.sum(1).clamp(min=1)
+    mask_BT = rb.loss_mask_BT * loss_B[:, None].float()
     trained_B = mask_BT.sum(1) > 0
     groups = s.group_index_B[trained_B]
     mini_batch_B = torch.zeros_like(groups)
     unique = torch.unique(groups)
     for k, chunk in enumerate(torch.tensor_split(unique, min(mini_batches, max(len(unique), 1)))):
         mini_batch_B[torch.isin(groups, chunk)] = k
-    rows = TrainRows(tokens_BT=rt.tokens_BT[trained_B], attention_mask_BT=rt.attention_mask_BT[trained_B],
-                     loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rt.engine_logprobs_BT[trained_B],
+    rows = TrainRows(tokens_BT=rb.tokens_BT[trained_B], attention_mask_BT=rb.attention_mask_BT[trained_B],
+                     loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rb.engine_logprobs_BT[trained_B],
                      advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B],
-                     turn_index_BT=rt.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
+                     turn_index_BT=rb.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
     return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B,
-                      versions_BT=rt.versions_BT[trained_B])
+                      versions_BT=rb.versions_BT[trained_B], estimated=advantage is not None)
 
 
 def deal_rows(rows: TrainRows, dp_size: int) -> list[TrainRows]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from megatron_tir.rollout import Group, RolloutConfig
 from megatron_tir.rollout.staleness import StalenessBound
-from megatron_tir.train.sampling import Collected, filter_groups
+from megatron_tir.train.sampling import Collected, group_rules
 from megatron_tir.train.data import PromptStream
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class GroupProducer:
         self._base = version()  # admission counts the syncs since the start
         self._running: dict[int, asyncio.Task] = {}  # prompt position -> its group's task
         self._ready: list[_Finished] = []  # kept by the filter, not taken yet, in completion order
-        self._filtered: list[Group] = []  # finished since the last take, not kept (consumed at the take)
+        self._filtered: list[tuple[Group, str]] = []  # finished since the last take, not kept, with the rule
         self._removed = {"no_counted_rows": 0, "zero_std": 0, "accuracy": 0}
         self._finished_since_take = 0
         self._consumed: set[int] = set(stream.skip)
@@ -128,17 +128,16 @@ class GroupProducer:
             return
         (group,) = task.result()
         f = self.filters
-        kept, removed = filter_groups([group], drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo,
-                                      accuracy_hi=f.accuracy_hi, overlong=f.overlong, min_rows=f.min_group_rows)
+        (rule,) = group_rules([group], drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo,
+                              accuracy_hi=f.accuracy_hi, overlong=f.overlong, min_rows=f.min_group_rows)
         self._finished_since_take += 1
-        if kept:
+        if rule is None:
             self.bound.finished()
             self._ready.append(_Finished(group=group, oldest_version=oldest_version(group, admitted_at)))
         else:
             self.bound.abandoned()  # its slot is free again
-            self._filtered.append(group)
-            for k, v in removed.items():
-                self._removed[k] += v
+            self._filtered.append((group, rule))
+            self._removed[rule] += 1
         self._changed.set()
 
     async def take(self, want: int) -> Taken:
@@ -161,7 +160,9 @@ class GroupProducer:
                 break
             self._changed.clear()
             await self._changed.wait()
-        filtered, self._filtered = self._filtered, []
+        done, self._filtered = self._filtered, []
+        filtered = [g for g, _ in done]
+        rules = {g.group_id: rule for g, rule in done} | {g.group_id: "stale" for g in stale}
         self._consumed.update(g.group_id for g in taken + stale + filtered)
         removed = self._removed | {"stale": len(stale)}
         self._removed = dict.fromkeys(self._removed, 0)
@@ -171,7 +172,7 @@ class GroupProducer:
         first = min(list(self._running) + [f.group.group_id for f in self._ready], default=self.stream.position)
         self._consumed = {p for p in self._consumed if p >= first}
         return Taken(collected=Collected(groups=taken, sampled=taken + filtered + stale, rounds=rounds,
-                                         removed=removed, stale=stale),
+                                         removed=removed, rules=rules),
                      stale=len(stale), data_position=first, consumed_ahead=sorted(self._consumed),
                      in_flight=len(self._running), version=version)
 

@@ -119,7 +119,7 @@ def _end_step(source: RolloutSource, observer, sink, step: int, got: StepRollout
               held_out, engine_mark: list) -> None:
     """Rank 0's end of a step: the observers see the sampled groups, the held-out evaluation (when
     ``held_out``), the trainer and engine idle shares, the metrics line."""
-    observer.sampled(step, got.collected)
+    observer.sampled(step, got.sampled, got.fates)
     if held_out:
         with timed(timings, "eval"):
             metrics |= source.evaluate(held_out, observe=functools.partial(observer.held_out, step))
@@ -153,7 +153,7 @@ def _check_finite_steps(step: int, stats: StepStats, before: int, limit: int) ->
 class _NoObserver:
     """The step observer of the ranks that write nothing (all but rank 0)."""
 
-    def sampled(self, step: int, collected) -> None:
+    def sampled(self, step: int, sampled, fates) -> None:
         pass
 
     def held_out(self, step: int, groups, metrics: dict) -> None:

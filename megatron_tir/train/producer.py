@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
-from megatron_tir.rollout.batch import weight_version_metrics
+from megatron_tir.rollout.batch import RowFate, collate, weight_version_metrics
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
-from megatron_tir.train.batch import TrainRows, deal_rows, plan_update, to_tensors
+from megatron_tir.train.batch import TrainRows, UpdatePlan, deal_rows, plan_update
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.group_producer import GroupProducer
@@ -41,11 +41,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, slots=True)
 class Produced:
-    """Rank 0's step: the hand-off header, each replica's rows (None: none trained), the metrics, the groups."""
+    """Rank 0's step: the hand-off header, each replica's rows (None: none trained), the metrics, the groups
+    and what the step decided for each sampled row (:func:`row_fates`)."""
     header: dict
     shares: list[TrainRows] | None
     metrics: dict
     collected: Collected
+    fates: dict[tuple[int, int], RowFate]
 
 
 class Rounds:
@@ -192,28 +194,28 @@ class Producer:
                   # a dead sandbox broker stops the run with its one line (ClusterSandbox.unavailable)
                   "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)
                   or getattr(getattr(self.service, "sandbox", None), "unavailable", None)}
-        shares = None
+        shares, plan = None, None
         if got.groups and header["stop"] is None:
-            shares = self._rows(got, header, metrics)
+            shares, plan = self._rows(got, header, metrics)
         metrics["time/rollout"] = time.perf_counter() - t0
-        return Produced(header=header, shares=shares, metrics=metrics, collected=got)
+        return Produced(header=header, shares=shares, metrics=metrics, collected=got, fates=row_fates(got, plan))
 
-    def _rows(self, got: Collected, header: dict, metrics: dict) -> list[TrainRows] | None:
+    def _rows(self, got: Collected, header: dict, metrics: dict) -> tuple[list[TrainRows] | None, UpdatePlan]:
         """Row roles and group advantages over every counted row, the rows some token of which is trained,
-        dealt to the replicas (None: no row is trained)."""
+        dealt to the replicas (None: no row is trained), and the plan that decided them."""
         tc = self.cfg.trainer
-        rt = to_tensors(got.groups, pad_id=self.pad_id)
+        rb = collate(got.groups, pad_id=self.pad_id)
         per_token = needs_values(tc.ppo.advantage)  # the critic's GAE fills the advantages in on every rank
-        plan = plan_update(rt, mode=tc.mode, advantage=None if per_token else tc.ppo.advantage,
+        plan = plan_update(rb, mode=tc.mode, advantage=None if per_token else tc.ppo.advantage,
                            overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
-        s = rt.rows
-        metrics |= {"filter/rows": float(rt.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
+        s = rb.rows
+        metrics |= {"filter/rows": float(rb.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
                     "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
                     "filter/rows_in_stats": float(plan.stats_B.sum()),
                     "filter/rows_in_loss": float(plan.trained_B.sum()),
                     "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
         if not plan.rows.batch_size:
-            return None
+            return None, plan
         r = plan.rows
         header["mini_batches"] = int(r.mini_batch_B.max()) + 1
         header["turns"] = int(r.turn_index_BT.max()) + 1
@@ -221,7 +223,7 @@ class Producer:
         # every update): 0 in synchronous training, 1 with trainer.async=one_step
         metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT, current=self.service.weight_version)
         metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
-        return deal_rows(r, self.dp_size)
+        return deal_rows(r, self.dp_size), plan
 
     def poke(self) -> None:
         """After a weight sync (the strategy's: ``full`` may admit more groups)."""
@@ -229,6 +231,23 @@ class Producer:
 
     def stop(self) -> None:
         self.strategy.stop()
+
+
+def row_fates(got: Collected, plan: UpdatePlan | None) -> dict[tuple[int, int], RowFate]:
+    """``(group_id, sample_index) ->`` what the step decided for each sampled row: the rule dynamic sampling
+    recorded for a group left out of the batch (``Collected.rules``), the plan's row roles and advantages
+    for the batch's rows (``plan`` of ``got.groups``; None: no batch). A critic's GAE records no advantage."""
+    out = {}
+    for g in got.sampled:
+        if (rule := got.rules.get(g.group_id)) is not None:
+            out |= {(t.group_id, t.sample_index): RowFate(in_stats=False, in_loss=False, advantage=None,
+                                                          group_rule=rule) for t in g.trajectories}
+    if plan is not None:
+        for b, t in enumerate(t for g in got.groups for t in g.trajectories):
+            out[(t.group_id, t.sample_index)] = RowFate(
+                in_stats=bool(plan.stats_B[b]), in_loss=bool(plan.trained_B[b]),
+                advantage=float(plan.advantages_B[b]) if plan.estimated else None)
+    return out
 
 
 def _infra_stop(groups, max_share: float) -> str | None:

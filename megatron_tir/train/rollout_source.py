@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from megatron_tir.eval.held_out import run_held_out
 from megatron_tir.rl import needs_values
 from megatron_tir.rollout.factory import InfrastructureError, build_weight_sync
-from megatron_tir.train.batch import TrainRows, plan_update, to_tensors
-from megatron_tir.train.sampling import Collected
+from megatron_tir.rollout.batch import Group, RowFate, collate
+from megatron_tir.train.batch import TrainRows, plan_update
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.handoff import HandOff, one_line
 from megatron_tir.train.metrics import rollout_metrics
@@ -57,7 +57,8 @@ class StepRollouts:
     schedule_switched_at: int | None
     rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
     turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
-    collected: Collected | None  # rank 0: what dynamic sampling collected (observers read it); elsewhere None
+    sampled: list[Group]  # rank 0: every group the step sampled (the observers'); elsewhere []
+    fates: dict[tuple[int, int], RowFate]  # rank 0: what the step decided for each sampled row; elsewhere {}
     data_consumed_ahead: list[int] = dataclasses.field(default_factory=list)  # full: consumed positions past it
 
     @classmethod
@@ -65,14 +66,14 @@ class StepRollouts:
         """A one-replica step of scored ``groups`` without a source (what ``next`` gives a rank when
         the data-parallel size is 1; for checks of the update alone)."""
         tc = cfg.trainer
-        plan = plan_update(to_tensors(groups, pad_id=pad_id), mode=tc.mode,
+        plan = plan_update(collate(groups, pad_id=pad_id), mode=tc.mode,
                            advantage=None if needs_values(tc.ppo.advantage) else tc.ppo.advantage,
                            overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
         r = plan.rows
         return cls(rows=r if r.batch_size else None, mini_batches=int(r.mini_batch_B.max()) + 1 if r.batch_size else 0,
                    metrics={}, data_position=0, schedule_switched_at=None,
                    rollout_budget=(cfg.rollout.max_turns, cfg.rollout.max_response_tokens),
-                   turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, collected=None)
+                   turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, sampled=[], fates={})
 
 
 # ----------------------------------------------------------------------------- the source
@@ -186,7 +187,7 @@ class RolloutSource:
         key = f"step/{step}"
         if self.rank != 0:
             header, rows = self._handoff.receive(key, what=f"step {step}'s rollouts")
-            return self._result(header, rows, {}, None)
+            return self._result(header, rows, {}, [], {})
         try:
             produced = self.producer.produce(step)
         except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
@@ -194,15 +195,16 @@ class RolloutSource:
             raise
         rows = self._handoff.publish(key, produced.header, produced.shares)
         self._handoff.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
-        return self._result(produced.header, rows, produced.metrics, produced.collected)
+        return self._result(produced.header, rows, produced.metrics, produced.collected.sampled, produced.fates)
 
-    def _result(self, header: dict, rows: TrainRows | None, metrics: dict, collected: Collected | None) -> StepRollouts:
+    def _result(self, header: dict, rows: TrainRows | None, metrics: dict, sampled: list[Group],
+                fates: dict) -> StepRollouts:
         if header["stop"] is not None:
             raise TrainingStopped(header["stop"])
         self.schedule_switched_at = header["schedule_switched_at"]
         return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
                             data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
-                            rollout_budget=tuple(header["budget"]), turns=header["turns"], collected=collected,
+                            rollout_budget=tuple(header["budget"]), turns=header["turns"], sampled=sampled, fates=fates,
                             data_consumed_ahead=list(header.get("consumed_ahead", [])))
 
     @property

@@ -9,10 +9,12 @@ from observe_crafted import answer_turn, code_turn, make, void_turn
 from megatron_tir.cli import main
 from megatron_tir.observe.dumps import dump_path, read_dump, step_records, update_records, write_dump
 from megatron_tir.observe.show import MASKED, TRAINED, parse_filters, parse_rendering, render, select
-from megatron_tir.rl import MODES
-from megatron_tir.rollout.batch import Group
+from megatron_tir.rl import MODES, needs_values
+from megatron_tir.rollout.batch import Group, collate
 from megatron_tir.rollout.trajectory import FinishStatus
-from megatron_tir.train.sampling import Collected
+from megatron_tir.train.batch import plan_update
+from megatron_tir.train.producer import row_fates as producer_fates
+from megatron_tir.train.sampling import Collected, group_rules
 
 
 class CharTokenizer:
@@ -49,11 +51,16 @@ FILTERS = dict(drop_zero_std=True, accuracy_lo=0.0, accuracy_hi=1.0)
 
 
 def row_fates(sampled, kept, *, mode, advantage, overlong, drop_zero_std, accuracy_lo, accuracy_hi, min_rows=1):
-    """The trainer's decisions for a step that kept ``kept`` of ``sampled``, in the dump's words."""
-    collected = Collected(groups=list(kept), sampled=list(sampled), rounds=1, removed={})
-    decided = collected.fates(mode=mode, advantage=advantage, overlong=overlong, drop_zero_std=drop_zero_std,
-                              accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi, min_rows=min_rows)
-    return update_records(sampled, decided, drop_void=MODES[mode].drop_void, overlong=overlong)
+    """The trainer's decisions for a step that kept ``kept`` of ``sampled``, in the dump's words: the group
+    filter's rule of each group left out (``surplus`` when it passed), the update plan of the kept ones, put
+    together as rank 0's producer does (``row_fates``)."""
+    rules = group_rules(sampled, drop_zero_std=drop_zero_std, accuracy_lo=accuracy_lo, accuracy_hi=accuracy_hi,
+                        overlong=overlong, min_rows=min_rows)
+    left_out = {g.group_id: rule or "surplus" for g, rule in zip(sampled, rules) if all(g is not k for k in kept)}
+    collected = Collected(groups=list(kept), sampled=list(sampled), rounds=1, removed={}, rules=left_out)
+    plan = plan_update(collate(kept, pad_id=0), mode=mode, advantage=None if needs_values(advantage) else advantage,
+                       overlong=overlong, mini_batches=1) if kept else None
+    return update_records(sampled, producer_fates(collected, plan), drop_void=MODES[mode].drop_void, overlong=overlong)
 
 
 def test_each_row_says_what_the_update_did_and_why_not():

@@ -10,7 +10,6 @@ from observe_crafted import answer_turn, make
 from megatron_tir.observe.config import LogConfig
 from megatron_tir.observe.run_log import LOG_FILE, StepObserver
 from megatron_tir.rollout.batch import Group
-from megatron_tir.train.sampling import Collected
 from megatron_tir.train.config import TrainConfig
 
 
@@ -24,7 +23,7 @@ def test_tokens_per_second_spike_flag_and_the_line_in_train_log(tmp_path):
             make([answer_turn(0, "a", "1")], logprobs_per_turn=[[-1.0] * 30]),
             make([answer_turn(0, "b", "1")], logprobs_per_turn=[[-1.0] * 10], sample=1)])
         for step, grad in ((1, 1.0), (2, 1.0), (3, 1.0), (4, 5.0)):
-            obs.sampled(step, Collected(groups=[g], sampled=[g], rounds=1, removed={}))
+            obs.sampled(step, [g], {})
             extra = obs.end_step(step, {"time/rollout": 4.0, "time/train": 2.0, "train/tokens": 300.0,
                                         "train/grad_norm": grad})
         assert extra["perf/generation_tokens_per_s"] == pytest.approx(40 / 4.0)  # 30 + 10 model tokens in 4 s

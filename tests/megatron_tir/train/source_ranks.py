@@ -247,14 +247,15 @@ def watchdog_rank(rank: int, world: int, out: str, timeout_s: float, busy_s: flo
 def handoff_rank(rank: int, world: int, out: str, tp: int) -> None:
     """Rank 0 publishes crafted shares (one per data-parallel replica) at ``tp``; every rank saves what it got."""
     from megatron_tir.policy.parallel import init_parallel
-    from megatron_tir.train.batch import deal_rows, plan_update, to_tensors
+    from megatron_tir.rollout.batch import collate
+    from megatron_tir.train.batch import deal_rows, plan_update
     from megatron_tir.train.handoff import HandOff
 
     init_parallel(tp, 1)
     h = HandOff(poll_s=0.2, alive_timeout_s=30.0)
     try:
         cfg = source_config(prompts=4, mini_batches=2)
-        plan = plan_update(to_tensors(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
+        plan = plan_update(collate(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
                            advantage=cfg.trainer.ppo.advantage, overlong=cfg.trainer.filters.overlong, mini_batches=2)
         shares = deal_rows(plan.rows, h.dp_size)
         if rank == 0:

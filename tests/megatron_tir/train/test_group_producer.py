@@ -103,9 +103,13 @@ def test_a_group_older_than_eta_is_dropped_counted_and_frees_its_slot():
     assert second.stale == 1 and second.collected.removed["stale"] == 1 and p.bound.dropped == 1
     assert [g.group_id for g in second.collected.sampled] == [2, 0]  # reported once, at the take that dropped it
     from megatron_tir.observe.dumps import update_records
+    from megatron_tir.rollout.batch import collate
+    from megatron_tir.train.batch import plan_update
+    from megatron_tir.train.producer import row_fates
 
-    decided = second.collected.fates(mode="simpletir", advantage="grpo", overlong="keep", drop_zero_std=True,
-                                     accuracy_lo=0.0, accuracy_hi=1.0)
+    plan = plan_update(collate(second.collected.groups, pad_id=0), mode="simpletir", advantage="grpo",
+                       overlong="keep", mini_batches=1)
+    decided = row_fates(second.collected, plan)  # the producer's: the stale rule recorded at the take
     fates = update_records(second.collected.sampled, decided, drop_void=True, overlong="keep")
     assert fates[(0, 0)]["dropped_by"].startswith("stale") and fates[(2, 0)]["in_loss"]
     assert second.data_position == 3 and second.consumed_ahead == []

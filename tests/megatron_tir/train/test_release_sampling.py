@@ -32,7 +32,7 @@ def test_groups_with_too_few_counted_rows_are_dropped():
     assert keep.tolist() == [True, True]
 
 
-class _G:  # a scored group as the filter sees it, via filter_groups' stand-in below
+class _G:  # a scored group as the filter sees it, via group_rules' stand-in below
     def __init__(self, gid, ok):
         self.group_id, self.ok = gid, ok
 
@@ -41,11 +41,10 @@ class _G:  # a scored group as the filter sees it, via filter_groups' stand-in b
 def fake_filter(monkeypatch):
     import megatron_tir.train.sampling as batch
 
-    def filter_groups(groups, **kw):
-        ok = [g for g in groups if g.ok]
-        return ok, {"no_counted_rows": 0, "zero_std": len(groups) - len(ok), "accuracy": 0}
+    def group_rules(groups, **kw):  # the rule that removes each group (None: kept)
+        return [None if g.ok else "zero_std" for g in groups]
 
-    monkeypatch.setattr(batch, "filter_groups", filter_groups)
+    monkeypatch.setattr(batch, "group_rules", group_rules)
 
 
 def _rounds(batches):

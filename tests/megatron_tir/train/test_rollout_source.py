@@ -18,7 +18,8 @@ from source_ranks import crafted_groups, dp_update_rank, slow_rollout_rank, sour
 from megatron_tir.policy.parallel import run_ranks
 from megatron_tir.ports import free_port
 from megatron_tir.rollout.factory import InfrastructureError
-from megatron_tir.train.batch import deal_rows, plan_update, to_tensors
+from megatron_tir.rollout.batch import collate
+from megatron_tir.train.batch import deal_rows, plan_update
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -71,7 +72,7 @@ def test_a_rank_0_without_heartbeat_is_given_up_after_the_alive_timeout():
 
 def _expected_shares(dp: int):
     cfg = source_config(prompts=4, mini_batches=2)
-    plan = plan_update(to_tensors(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
+    plan = plan_update(collate(crafted_groups(0, 4), pad_id=0), mode=cfg.trainer.mode,
                        advantage=cfg.trainer.ppo.advantage, overlong=cfg.trainer.filters.overlong, mini_batches=2)
     return plan, deal_rows(plan.rows, dp)
 

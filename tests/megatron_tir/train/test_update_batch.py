@@ -9,7 +9,8 @@ import pytest
 import torch
 from crafted_rollouts import A, C, F, T, V, group
 
-from megatron_tir.train.batch import build_update, deal_rows, mini_batches, plan_update, to_tensors
+from megatron_tir.rollout.batch import collate
+from megatron_tir.train.batch import build_update, deal_rows, mini_batches, plan_update
 from megatron_tir.train.sampling import collect_groups, filter_groups
 
 S3 = math.sqrt(1 / 3)
@@ -22,7 +23,7 @@ def crafted():
 
 def update(mode, overlong="mask", fraction=0.0, advantage="grpo", mini=1):
     """(the plan of every row, the update of the rows it trains)"""
-    plan = plan_update(to_tensors(crafted(), pad_id=0), mode=mode, advantage=advantage, overlong=overlong,
+    plan = plan_update(collate(crafted(), pad_id=0), mode=mode, advantage=advantage, overlong=overlong,
                        mini_batches=mini)
     return plan, build_update(plan.rows, plan.rows.engine_logprobs_BT, mode=mode, low_prob_fraction=fraction)
 
@@ -115,13 +116,13 @@ def test_the_group_filter_reads_summaries_and_void_rows_count_in_group_statistic
 
 def test_rows_are_dealt_per_mini_batch_longest_first_and_an_empty_share_gets_a_stand_in():
     groups = [group(0, (C, 1.0, (-1.0,) * 5), (C, 0.0, (-1.0,) * 2)), group(1, (C, 1.0, (-1.0,) * 3), (C, 0.0))]
-    p = plan_update(to_tensors(groups, pad_id=0), mode="simpletir", advantage="grpo", overlong="mask", mini_batches=2)
+    p = plan_update(collate(groups, pad_id=0), mode="simpletir", advantage="grpo", overlong="mask", mini_batches=2)
     a, b = deal_rows(p.rows, 2)
     # mini-batch 0 = group 0 (rows of 5 and 2 tokens), mini-batch 1 = group 1 (3 and 3 tokens)
     assert a.mini_batch_B.tolist() == [0, 1] and b.mini_batch_B.tolist() == [0, 1]
     assert a.attention_mask_BT.sum(1).tolist() == [7, 5] and b.attention_mask_BT.sum(1).tolist() == [4, 5]
     assert a.tokens_BT.shape[1] == 7 and b.tokens_BT.shape[1] == 5  # each share padded to its own longest row
-    lone = plan_update(to_tensors([group(0, (C, 1.0), (C, 0.0))], pad_id=0), mode="simpletir", advantage="grpo",
+    lone = plan_update(collate([group(0, (C, 1.0), (C, 0.0))], pad_id=0), mode="simpletir", advantage="grpo",
                        overlong="mask", mini_batches=1)
     shares = deal_rows(lone.rows, 3)
     assert [s.batch_size for s in shares] == [1, 1, 1] and float(shares[2].loss_mask_BT.sum()) == 0.0
