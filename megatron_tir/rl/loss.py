@@ -11,7 +11,17 @@ Per token, with ratio ``rho = exp(logp - logp_old)`` and advantage ``A``::
 Aggregation (the Learner does it across micro-batches and DP ranks; :func:`aggregate` is the
 reference): ``seq_mean`` is the paper's Eq. 1 -- each trajectory's mean over its loss tokens,
 then the mean over trajectories; ``token_mean`` is the sum over all loss tokens of the
-mini-batch divided by their count.
+mini-batch divided by their count; ``microbatch_token_mean`` is SimpleTIR's released fork (verl's
+``dp_actor.update_policy`` under ``use_dynamic_bsz``: each micro-batch's token mean times its rows
+over the mini-batch's rows, summed over the micro-batches -- the micro-batches being the learner's,
+binned by ``learner.max_tokens_per_microbatch``).
+
+Denominator (``denominator``, with ``token_mean``): ``model_tokens`` divides by the loss tokens;
+``response_tokens`` by every response token of the mini-batch's trained rows, the tool's output
+included (ZeroTIR's script: ``masked_sum(loss, env_mask) / length_status["response_length"]`` with
+``--use_prefetch``). Both non-default rules reach the Learner's ``token_mean`` through one detached
+per-row factor, ``extras["loss_scale_B"]`` (:func:`loss_scale_B`, computed per mini-batch over every
+replica's rows by ``megatron_tir.train.loss_scale``), so the Learner keeps its two aggregations.
 """
 
 from __future__ import annotations
@@ -20,7 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean")  # the Learner's
+LOSS_AGGREGATIONS = (*AGGREGATIONS, "microbatch_token_mean")  # trainer.loss.aggregation
+DENOMINATORS = ("model_tokens", "response_tokens")
+SCALE_EXTRA = "loss_scale_B"  # the per-row factor of the two rules above
 # the per-token metric by which a loss says which tokens it kept (``Learner.train_step``: tokens with
 # keep 0 leave the loss and its denominator, as if they had been out of the loss mask from the start)
 KEEP_METRIC = "loss_keep"
@@ -33,7 +46,12 @@ class LossConfig:
     dual_clip: float | None = 3.0  # None: off
     kl_coef: float = 0.0  # > 0: the trainer builds a frozen reference learner for ref_logprobs_BT
     entropy_coef: float = 0.0  # entropy bonus in the loss (0: off)
-    aggregation: str = "token_mean"  # token_mean | seq_mean (Eq. 1)
+    # token_mean | seq_mean (Eq. 1) | microbatch_token_mean (SimpleTIR's fork: per micro-batch token mean x its rows
+    # over the mini-batch's rows)
+    aggregation: str = "token_mean"
+    # token_mean's denominator: model_tokens (the loss tokens) | response_tokens (all response tokens of the trained
+    # rows, tool output included: ZeroTIR's script)
+    denominator: str = "model_tokens"
 
     def __post_init__(self) -> None:
         if not 0 < self.clip_low < 1:
@@ -44,8 +62,35 @@ class LossConfig:
             raise ValueError(f"dual_clip must be > 1 (or null), got {self.dual_clip}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.denominator not in DENOMINATORS:
+            raise ValueError(f"denominator must be one of {', '.join(DENOMINATORS)}, got {self.denominator!r}")
+        if self.denominator != "model_tokens" and self.aggregation != "token_mean":
+            raise ValueError(f"denominator={self.denominator} needs aggregation=token_mean, got {self.aggregation}")
+
+    @property
+    def learner_aggregation(self) -> str:
+        """The Learner's aggregation (``token_mean`` under the per-row factor of the other rules)."""
+        return self.aggregation if self.aggregation in AGGREGATIONS else "token_mean"
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the loss takes the per-row factor ``extras[SCALE_EXTRA]`` (:func:`loss_scale_B`)."""
+        return self.aggregation == "microbatch_token_mean" or self.denominator != "model_tokens"
+
+
+def loss_scale_B(cfg: LossConfig, loss_tokens: float, rows: float, response_tokens: float) -> float:
+    """The per-row factor of a mini-batch with these totals (over every replica's rows): under the
+    Learner's ``token_mean`` (loss / ``loss_tokens``) it turns the loss into ``loss / response_tokens``
+    (``denominator=response_tokens``), or, times ``rows_mb / tokens_mb`` per micro-batch
+    (:meth:`PolicyLoss.__call__`), into the sum over micro-batches of ``rows_mb / rows`` times the
+    micro-batch's token mean (``microbatch_token_mean``)."""
+    if cfg.aggregation == "microbatch_token_mean":
+        return loss_tokens / max(rows, 1.0)
+    if cfg.denominator == "response_tokens":
+        return loss_tokens / max(response_tokens, 1.0)
+    return 1.0
 
 
 def clipped_surrogate_BT(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor, *,
@@ -154,9 +199,22 @@ class PolicyLoss:
             loss_BT = loss_BT - cfg.entropy_coef * entropy_BT
         if entropy_BT is not None:
             metrics["entropy"] = entropy_BT.detach()
+        if cfg.scaled:  # the aggregation's or the denominator's per-row factor (module docstring)
+            loss_BT = loss_BT * _row_factor_BT(cfg, extras)
         if self.high_ratio_bound is not None:  # last: a filtered token has no term of the loss at all
             high_BT = metrics["ratio"] > self.high_ratio_bound
             loss_BT = torch.where(high_BT, torch.zeros_like(loss_BT), loss_BT)
             metrics["high_ratio_masked"] = high_BT.float()
             metrics[KEEP_METRIC] = (~high_BT).float()
         return loss_BT, metrics
+
+
+def _row_factor_BT(cfg: LossConfig, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+    if SCALE_EXTRA not in extras:
+        raise ValueError(f"trainer.loss aggregation={cfg.aggregation} / denominator={cfg.denominator} needs "
+                         f"extras[{SCALE_EXTRA!r}] (megatron_tir.train.loss_scale.add_loss_scales)")
+    factor_B = extras[SCALE_EXTRA].detach().float()
+    if cfg.aggregation == "microbatch_token_mean":  # this micro-batch's rows over its loss tokens
+        mask_BT = extras["loss_mask_BT"].float()
+        factor_B = factor_B * (mask_BT.sum(1) > 0).float().sum() / mask_BT.sum().clamp(min=1.0)
+    return factor_B[:, None]

@@ -45,6 +45,7 @@ from megatron_tir.policy.routing import update_routing
 from megatron_tir.rl import MODES, PolicyLoss, needs_values
 from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update, with_behaviour_weights
 from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.loss_scale import add_loss_scales
 from megatron_tir.train.critic_update import critic_metrics, critic_step, gae_advantages
 from megatron_tir.train.row_stats import RowStats, reduce_over_replicas
 
@@ -104,6 +105,7 @@ class PolicyGradient:
         stats = None
         if rows.loss_mask_BT is not None:  # this stage computes the loss
             update, stats = self._loss_batch(rows, old_BT, ref_BT, values_BT)
+            add_loss_scales(update, rows.loss_mask_BT, tc.loss, mini_batches=tc.ppo.mini_batches, local_rows=True)
         else:
             update = stage_update(rows)
         loss_fn = TurnProbe(PolicyLoss(tc.loss, high_ratio_bound=self.high_ratio_bound), n_turns=got.turns)
@@ -116,7 +118,7 @@ class PolicyGradient:
     def steps(self, mb) -> None:
         """One mini-batch: the policy's optimizer step."""
         s = self._step_state
-        s.results.append(self.policy.train_step(mb, s.token_loss, aggregation=self.cfg.trainer.loss.aggregation,
+        s.results.append(self.policy.train_step(mb, s.token_loss, aggregation=self.cfg.trainer.loss.learner_aggregation,
                                                 local_rows=True))
 
     def finish(self) -> StepStats:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
+from megatron_tir.rl.loss import AGGREGATIONS
 from megatron_tir.rl.critic import GAE_ACROSS_FEEDBACK, gae_BT, token_rewards_BT
 from megatron_tir.train.row_stats import RowStats
 
@@ -67,8 +68,8 @@ class CriticConfig:
         if self.gae_across_feedback not in GAE_ACROSS_FEEDBACK:
             raise ValueError(f"gae_across_feedback must be one of {', '.join(GAE_ACROSS_FEEDBACK)}, "
                              f"got {self.gae_across_feedback!r}")
-        if self.aggregation is not None and self.aggregation not in ("token_mean", "seq_mean"):
-            raise ValueError(f"aggregation must be token_mean, seq_mean or null, got {self.aggregation!r}")
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)} or null, got {self.aggregation!r}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.kl_reward_coef < 0:
@@ -170,7 +171,8 @@ def critic_step(critic, mb: TrainBatch, cfg: CriticConfig, aggregation: str, *, 
     from megatron_tir.policy.losses import ValueLoss
 
     r = critic.train_step(mb, ValueLoss(clip=cfg.value_clip, clip_high=cfg.value_clip_high),
-                          aggregation=cfg.aggregation or aggregation, local_rows=local_rows)
+                          aggregation=cfg.aggregation or (aggregation if aggregation in AGGREGATIONS else "token_mean"),
+                          local_rows=local_rows)
     if r.empty:  # every token of the mini-batch masked: no step (the same on every rank)
         return {"critic/empty": 1.0}
     return {"critic/value_loss": r.loss, "critic/grad_norm": r.grad_norm,
