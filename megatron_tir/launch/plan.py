@@ -119,6 +119,9 @@ class Plan:
     pp: int
     dp: int
     tokens: int
+    shape: ModelShape
+    ep: int = 1
+    etp: int = 1
     gpu_memory_gib: float | None
     usable_bytes: float | None
     stages: list[StagePlan]
@@ -154,6 +157,14 @@ class Plan:
                          f"{g(s.optimizer_bytes)}    {g(s.activation_bytes)}  {s.in_flight:9d}    "
                          f"{g(s.recompute_bytes)}  {g(s.logits_bytes)}  {g(s.critic_bytes)}    "
                          f"{g(s.reference_bytes)}  {g(s.peak_bytes)}")
+        if self.shape.is_moe:
+            m, s0 = self.shape, self.stages[0]
+            lines.append(f"MoE: {m.experts // self.ep} of {m.experts} experts per GPU (EP {self.ep} x ETP {self.etp}), "
+                         f"{s0.expert_params / 1e9:.3f} B of the {s0.params / 1e9:.3f} B params; the experts' optimizer "
+                         f"state over {self.tp * self.dp // (self.ep * self.etp)} expert-DP ranks, the rest over DP "
+                         f"{self.dp}; dispatcher buffers {g(s0.dispatch_bytes).strip()} GiB (in peak); "
+                         f"{m.active_params / 1e9:.2f} B of {m.total_params / 1e9:.2f} B params active a token "
+                         f"(throughput)")
         if self.server is not None:
             sv = self.server
             lines += [f"sglang: {sv.count} server(s) of TP {sv.tp}, mem_fraction_static {sv.mem_fraction}, per GPU: "
@@ -214,13 +225,19 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
             problems.append(f"learner.tp={lc.tp} does not divide the model's {n} {what}")
     if m.layers % lc.pp:
         problems.append(f"learner.pp={lc.pp} does not divide the model's {m.layers} layers")
+    ep, etp = (lc.ep, lc.tp) if m.is_moe else (1, lc.tp)  # the trainer runs expert tensor parallelism at tp
+    if m.is_moe and m.experts % ep:
+        problems.append(f"learner.ep={ep} does not divide the model's {m.experts} experts")
+    if m.is_moe and (lc.tp * dp) % (ep * etp):
+        problems.append(f"learner.ep x tp = {ep * etp} does not divide the {lc.tp * dp} ranks of a pipeline stage")
+        ep = 1
     critic = tc.ppo.advantage == "gae"  # train.run builds these two exactly so
     reference = tc.loss.kl_coef > 0 or cfg.critic.kl_reward_coef > 0
     stages = learner_stages(m, tp=lc.tp, pp=lc.pp, dp=dp, tokens=lc.max_tokens_per_microbatch, dtype=lc.dtype,
                             sp=lc.sequence_parallel, recompute=lc.recompute_granularity,
                             distributed_optimizer=lc.distributed_optimizer, temperature=rc.temperature or 1.0,
                             entropy="grad" if tc.loss.entropy_coef > 0 else "diagnostic", critic=critic,
-                            reference=reference)
+                            reference=reference, ep=ep, etp=etp)
     mem_gib = cluster.node.gpu_memory_gib
     usable = mem_gib * GIB * assume.usable_memory_share if mem_gib else None
     if usable is not None:
@@ -269,7 +286,7 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
     slots_needed = 0
     wall_s = _seconds(cluster.time)
     if servers and tflops:
-        params_b = m.total_params / 1e9
+        params_b = m.active_params / 1e9  # MoE: a token computes with its topk experts only
         server_tps = assume.decode_k * s_tp / params_b
         gen_s = prompts_round * rc.n_samples * mean_response / (servers * server_tps)
         # Little's law: in-flight trajectories alternate a turn of decoding and a tool call
@@ -285,7 +302,7 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
             passes += 2 + 6 * tc.ppo.epochs
         if reference:
             passes += 2
-        train_s = passes * m.total_params * tokens / (world * tflops * 1e12 * assume.mfu)
+        train_s = passes * m.active_params * tokens / (world * tflops * 1e12 * assume.mfu)
         step_s = gen_s + train_s
         ck = tc.checkpoint
         by_steps = ck.every * step_s if ck.every else tc.steps * step_s
@@ -303,7 +320,8 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
         time_problems.append(f"the first checkpoint comes after ~{first_s / 3600:.1f} h (a step is ~"
                              f"{step_s / 3600:.2f} h), later than the wall time {cluster.time}: set "
                              f"trainer.checkpoint.minutes or trainer.checkpoint.every, or a longer time")
-    return Plan(model=cfg.model, tp=lc.tp, pp=lc.pp, dp=dp, tokens=lc.max_tokens_per_microbatch,
+    return Plan(model=cfg.model, tp=lc.tp, pp=lc.pp, dp=dp, ep=ep, etp=etp, shape=m,
+                tokens=lc.max_tokens_per_microbatch,
                 gpu_memory_gib=mem_gib, usable_bytes=usable, stages=stages, server=server, colocated=colocated,
                 generation_bytes=generation, sync_bytes=m.total_params * 2, sync_s=sync_s, sandbox_calls=calls,
                 sandbox_call_s=assume.sandbox_call_s, sandbox_call_p90_s=assume.sandbox_call_p90_s,
