@@ -64,6 +64,7 @@ class SGLangGroup:
     nodes: int  # 0: colocated on the trainer's GPUs (memory released while the trainer trains)
     partition: str | None = None
     tp: int | None = None  # GPUs per server; None: a whole node per server
+    ep: int = 1  # MoE: expert-parallel size inside each server (SGLang --ep-size); divides the server's tp
     port: int = 30000  # first server's port on a node; the next server of the node takes port + 1 ...
     mem_fraction_static: float | None = None  # None: SGLang's default (colocated: 0.5)
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server verbatim
@@ -76,6 +77,8 @@ class SGLangGroup:
             raise ValueError(f"nodes must be >= 0, got {self.nodes}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.ep < 1 or (self.tp is not None and self.tp % self.ep):
+            raise ValueError(f"ep must be >= 1 and divide tp ({self.tp}), got {self.ep}")
         if not 1024 <= self.port < 65000:
             raise ValueError(f"port must be in 1024..64999, got {self.port}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -232,6 +235,8 @@ def check_layout(cluster: Cluster, layout: TrainerLayout, *, where: str = "clust
                          "inside a node)")
     if gpus % cluster.sglang_tp:
         raise ValueError(f"{where}: sglang.tp = {cluster.sglang_tp} must divide the {gpus} GPUs of a node")
+    if cluster.sglang_tp % cluster.sglang.ep:
+        raise ValueError(f"{where}: sglang.ep = {cluster.sglang.ep} must divide the servers' TP ({cluster.sglang_tp})")
     problem = colocated_problem(cluster)
     if problem:
         raise ValueError(f"{where}: {problem}")

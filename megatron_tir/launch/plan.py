@@ -254,6 +254,8 @@ def plan_run(cfg, cluster, *, assume: Assumptions = Assumptions(), spec=None) ->
                         f"(divisors: {', '.join(str(d) for d in range(1, m.heads + 1) if m.heads % d == 0)})")
     elif m.kv_heads % s_tp and s_tp % m.kv_heads:
         problems.append(f"sglang.tp={s_tp} neither divides nor is a multiple of the model's {m.kv_heads} KV heads")
+    if m.is_moe and m.experts % cluster.sglang.ep:
+        problems.append(f"sglang.ep={cluster.sglang.ep} does not divide the model's {m.experts} experts")
     colocated = cluster.sglang.colocated
     problems += [p for p in [colocated_problem(cluster)] if p]
     mem_fraction = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)

@@ -255,7 +255,8 @@ def sglang_services(cluster: Cluster, model: str) -> list[str]:
     mem = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
     plan = ServerPlan(model_path=cluster.model_path(model), host="0.0.0.0", first_port=cluster.sglang.port,
                       count=cluster.servers_per_node, tp=cluster.sglang_tp, mem_fraction_static=mem,
-                      colocated=colocated, python="python", extra_args=tuple(cluster.sglang.extra_args))
+                      colocated=colocated, python="python", extra_args=tuple(cluster.sglang.extra_args),
+                      ep=cluster.sglang.ep)
     return [f'--service "{name}={_dq(shlex.join(argv))}"' for name, argv in engine_kind(SERVER_KIND).servers(plan)]
 
 

@@ -180,6 +180,7 @@ class ServerPlan:
     colocated: bool
     python: str  # the interpreter that runs a server's module
     extra_args: tuple[str, ...] = ()
+    ep: int = 1  # MoE: expert-parallel size inside each server (divides tp)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -10,6 +10,13 @@ frees nothing. ``health_generation_probe=False`` launches with
 ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` (``srt/environ.py``): ``/health`` then
 answers 200 at once instead of running a one-token generation (which sleeps ~1 s and
 waits while generation is paused).
+
+MoE (0.5.23, ``srt/arg_groups/fields/parallel.py`` ``ep_size``, ``exec_.py``
+``enable_return_routed_experts``): ``ep_size`` splits the experts over that many of the server's
+TP ranks (``moe_tp_size = tp_size // ep_size``, ``srt/runtime_context.py``
+``derive_parallel_widths``; so it divides ``tp_size``); ``enable_return_routed_experts`` lets a
+``/generate`` request ask for each token's routed experts (``return_routed_experts``; without the
+flag the server has no capturer and answers without them, ``state_capturer/routed_experts.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class SGLangServerConfig:
     health_generation_probe: bool = True  # False: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0
     enable_deterministic_inference: bool = False  # needed for SamplingParams.seed (sampling_seed) to take effect
     skip_server_warmup: bool = False
+    ep_size: int = 1  # MoE: expert parallelism inside the server (--ep-size; divides tp_size)
+    enable_return_routed_experts: bool = False  # MoE: /generate may return each token's routed experts
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  # passed through verbatim
     launcher: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -60,6 +69,9 @@ class SGLangServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size must divide tp_size={self.tp_size} (SGLang carves expert parallelism out of "
+                             f"the server's TP ranks), got {self.ep_size}")
         if self.base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -96,6 +108,10 @@ class SGLangServerConfig:
             args.append("--enable-deterministic-inference")
         if self.skip_server_warmup:
             args.append("--skip-server-warmup")
+        if self.ep_size > 1:
+            args += ["--ep-size", str(self.ep_size)]
+        if self.enable_return_routed_experts:
+            args.append("--enable-return-routed-experts")
         return args + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
