@@ -129,6 +129,16 @@ class GradNormSpikes:
         self.factor, self.min_history = factor, min_history
         self._history: deque[float] = deque(maxlen=window)
 
+    @property
+    def history(self) -> list[float]:
+        """The window's values, oldest first (what a run checkpoint keeps: a resume continues the statistics)."""
+        return list(self._history)
+
+    def restore(self, values) -> None:
+        """Continue from a saved ``history`` (the window's newest values are kept)."""
+        self._history.clear()
+        self._history.extend(float(v) for v in values if math.isfinite(float(v)))
+
     def update(self, grad_norm: float) -> dict[str, float]:
         """``{"train/grad_norm_ma": mean of the previous window, "train/grad_norm_spike": 0/1}``
         (empty without history); then ``grad_norm`` joins the window when finite."""

@@ -6,7 +6,8 @@ in ``megatron_tir.policy.checkpoint.layout``)::
     step_N/policy/           the policy learner: a policy checkpoint (``learner_io.save_learner``:
                              model + optimizer + scheduler; every rank writes its part), the layout
                              ``tir-ckpt`` reads; later learners (``critic``) sit beside it by name
-    step_N/trainer_state.json  step, data position, metrics pointer, override history, resolved config
+    step_N/trainer_state.json  step, data position, metrics pointer, override history, the grad-norm
+                             statistics' window, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
     step_N/manifest.json     size and CRC-32 of every file above (``megatron_tir.policy.checkpoint.manifest``)
     latest                   a text file naming the newest complete step directory
@@ -57,6 +58,7 @@ class TrainerState:
     metrics_offset: int = 0  # bytes of metrics.jsonl written when the state was saved
     overrides: list[dict] = field(default_factory=list)  # {"step", "key", "value"}: when each took effect
     schedule_switched_at: int | None = None  # step the turn schedule switched the budgets
+    grad_norm_history: list[float] = field(default_factory=list)  # the grad-norm spike detector's window (rank 0)
     config: dict = field(default_factory=dict)  # the resolved TrainConfig
 
     def to_json(self) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_tir.finite import NonFiniteTraining
+from megatron_tir.observe.diagnostics import GradNormSpikes
 from megatron_tir.observe.run_log import StepObserver
 from megatron_tir.observe.trackers import open_trackers
 from megatron_tir.policy.memory import TrainingMemory
@@ -49,6 +50,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, algorithm: Po
                         trackers=lambda: open_trackers(tc.log, run_dir, state.config,
                                                        purge_step=state.step + 1 if state.step else 0))
     observer = StepObserver(cfg, run_dir, tokenizer=source.tokenizer, sink=sink) if source.rank == 0 else _NoObserver()
+    observer.spikes.restore(state.grad_norm_history)  # a resume continues the grad-norm statistics
     held_out = held_out_problems(cfg.data)
     memory = TrainingMemory(list(algorithm.learners.values()), colocated=cfg.engine.colocated)
     if state.step == 0 and held_out:  # rank 0 evaluates; the others wait through the hand-off, not in a collective
@@ -100,7 +102,7 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, algorithm: Po
                                     tc.checkpoint.minutes > 0 and time.monotonic() - last_save >= 60 * tc.checkpoint.minutes)
         if stopping or time_due or step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
-            state.metrics_offset = sink.offset
+            state.metrics_offset, state.grad_norm_history = sink.offset, observer.spikes.history
             ckpts.save(algorithm.learners, state)
             pending_ckpt_s, last_save = time.perf_counter() - t0, time.monotonic()
         if stopping:
@@ -152,6 +154,8 @@ def _check_finite_steps(step: int, stats: StepStats, before: int, limit: int) ->
 
 class _NoObserver:
     """The step observer of the ranks that write nothing (all but rank 0)."""
+
+    spikes = GradNormSpikes()  # never updated: these ranks write no trainer state
 
     def sampled(self, step: int, sampled, fates) -> None:
         pass

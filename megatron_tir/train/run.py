@@ -43,6 +43,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             state.step, state.data_position = loaded.step, loaded.data_position
             state.data_consumed_ahead = list(loaded.data_consumed_ahead)
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
+            state.grad_norm_history = list(loaded.grad_norm_history)
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
 
         def start_service() -> RolloutService:  # rank 0 only
