@@ -16,8 +16,8 @@ Both take the same three phases:
 1. ``prepare(step, got)`` -- old log-probs (the learner's, or the engine's with
    ``trainer.ppo.old_logprobs=engine``), the frozen reference's (KL term), the family's values, and
    on the stage that computes the loss the mode's token filter, the family's advantages and the
-   behaviour weights of the off-policy correction (``trainer.async`` other than ``off``: the learner's
-   recompute is the proximal policy, the engine's log-probs the behaviour policy);
+   rollout correction (``trainer.correction``, :mod:`megatron_tir.rl.correction`: the engine's log-probs
+   against the learner's recompute, in every ``trainer.async`` mode; its metrics every step);
 2. ``steps(mb)`` for every mini-batch of every epoch (every rank of the world takes the same
    number of optimizer steps);
 3. ``finish()`` -- a :class:`StepStats`: the train metrics of every replica's rows on every rank,
@@ -43,7 +43,8 @@ from megatron_tir.policy.losses import TokenLoss
 from megatron_tir.policy.parallel import collective_device
 from megatron_tir.policy.routing import update_routing
 from megatron_tir.rl import MODES, PolicyLoss, needs_values
-from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update, with_behaviour_weights
+from megatron_tir.rl.correction import ASYNC_ALIASES, DEPRECATED_DEFAULTS, correct, named_stats
+from megatron_tir.train.batch import Update, build_update, mini_batches, stage_update
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.loss_scale import add_loss_scales
 from megatron_tir.train.critic_update import critic_metrics, critic_step, gae_advantages
@@ -77,6 +78,14 @@ class PolicyGradient:
         self.temperature = cfg.rollout.temperature or 1.0
         self.high_ratio_bound = tc.filters.high_ratio_bound if MODES[tc.mode].high_ratio_filter else None
         self._step_state = None
+        a = tc.asynchrony  # its correction / cap: the deprecated spelling of trainer.correction (what auto is)
+        self.correction = tc.correction.resolved(a.mode, a.correction, a.cap)  # megatron_tir.rl.correction
+        if a.mode != "off" and self.correction.mode == "none":
+            log.warning("trainer.async=%s with no rollout correction: the stale tokens get no importance weight "
+                        "(trainer.correction.mode=tis is the decoupled objective's)", a.mode)
+        if (a.correction, a.cap) != DEPRECATED_DEFAULTS:
+            log.warning("trainer.async.correction / trainer.async.cap are deprecated: read as trainer.correction."
+                        "mode=%s high=%g low=0", ASYNC_ALIASES[a.correction], a.cap)
         self.routing = update_routing(policy, tc.ppo.routing_replay)  # MoE: None on a dense policy
 
     @property
@@ -185,18 +194,13 @@ class PolicyGradient:
         stats = RowStats(totals={"filter/low_prob_tokens_masked": float(update.low_prob_masked)})
         if (family_stats := self._advantages(update, rows, old_BT, ref_BT, values_BT)) is not None:
             stats = stats.merge(family_stats)
-        if tc.asynchrony.mode != "off":  # the decoupled objective: old_BT is the proximal policy, the engine's the behaviour
-            on_BT = update.batch.loss_mask_BT > 0
-            update.batch, correction = with_behaviour_weights(update.batch, rows.engine_logprobs_BT,
-                                                              cap=tc.asynchrony.cap, mode=tc.asynchrony.correction)
-            if correction:  # the correction's means over the loss tokens (weight_mean: over the kept ones)
-                on, kept = float(on_BT.sum()), float((update.batch.loss_mask_BT > 0).sum())
-                for k, v in correction.items():
-                    if k == "weight_max":
-                        stats.maxima["offpolicy/weight_max"] = v
-                    else:
-                        n = kept if k == "weight_mean" else on
-                        stats.means[f"offpolicy/{k}"] = (v * n, n)
+        if tc.ppo.old_logprobs == "learner":  # the learner's recompute against the engine's: the gap (async: staleness too)
+            c = correct(old_BT, rows.engine_logprobs_BT, update.batch.loss_mask_BT, self.correction,
+                        turn_index_BT=rows.turn_index_BT)
+            update.batch = dataclasses.replace(update.batch, loss_mask_BT=c.loss_mask_BT,
+                                               extras=update.batch.extras | c.extras())
+            means, maxima = named_stats(c, legacy=tc.asynchrony.mode != "off")
+            stats = stats.merge(RowStats(means=means, maxima=maxima))
         return update, stats
 
 
@@ -260,8 +264,10 @@ class _StepState:
 
 
 def _offpolicy_metrics(stats: RowStats) -> dict[str, float]:
-    out = {k: stats.mean(k) for k in stats.means if k.startswith("offpolicy/")}
-    return out | {k: v for k, v in stats.maxima.items() if k.startswith("offpolicy/")}
+    """The rollout correction's metrics (``correction/*``; in the async modes also the deprecated ``offpolicy/*``)."""
+    prefixes = ("correction/", "offpolicy/")
+    out = {k: stats.mean(k) for k in stats.means if k.startswith(prefixes) and stats.count(k)}
+    return out | {k: v for k, v in stats.maxima.items() if k.startswith(prefixes)}
 
 
 ALGORITHMS: dict[str, type[PolicyGradient]] = {"policy_gradient": PolicyGradient, "critic_ppo": CriticPPO}

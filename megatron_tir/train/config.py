@@ -27,6 +27,7 @@ from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.policy.moe import ROUTING_REPLAY_MODES
 from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig, needs_values
+from megatron_tir.rl.correction import ASYNC_ALIASES, CorrectionConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.train.sampling import SAMPLING_STRATEGIES
@@ -180,26 +181,26 @@ class StopConfig:
 class AsyncConfig:
     """Asynchronous training (``--set trainer.async=MODE``, ``trainer.async.KEY=...``): ``off`` is
     synchronous (rollouts, update, sync, in turn). In the other modes the loss takes the decoupled
-    objective (:mod:`megatron_tir.rl.offpolicy`): the PPO ratio against the learner's recompute at
-    the start of the step (the proximal policy), times a detached behaviour weight
-    ``pi_prox / pi_engine`` per token, the engine's log-probs of the tokens it sampled being the
-    behaviour policy's."""
+    objective: the PPO ratio against the learner's recompute at the start of the step (the proximal
+    policy), times the detached weight of ``trainer.correction`` (:mod:`megatron_tir.rl.correction`;
+    ``auto``: truncated IS ``pi_prox / pi_engine`` per token, the engine's log-probs of the tokens it
+    sampled being the behaviour policy's)."""
     # off | one_step (rollouts of step N + 1 run while step N trains, the sync after they finish: every
     # group from one weight version, one behind the learner; step 1 is on-policy) | full (rollouts never stop:
     # groups admitted through the staleness bound, syncs retract requests in flight and they continue under the
     # new weights; megatron_tir.train.group_producer)
     mode: str = "off"
     max_staleness: int = 1  # full: eta, in policy versions (megatron_tir.rollout.staleness.StalenessBound)
-    correction: str = "clamp"  # clamp (truncated IS, min(w, cap)) | mask (tokens with w > cap leave the loss) | off (w = 1)
-    cap: float = 2.0  # C of the behaviour weight
+    # deprecated, the former spelling of trainer.correction (what its auto mode is in one_step / full):
+    # clamp (= tis: min(w, cap)) | mask (= mis: tokens with w > cap leave the loss) | off (= none), low 0
+    correction: str = "clamp"
+    cap: float = 2.0  # deprecated: C of the behaviour weight (trainer.correction.high)
 
     def __post_init__(self) -> None:
-        from megatron_tir.rl.offpolicy import CORRECTIONS
-
         if self.mode not in ASYNC_MODES:
             raise ValueError(f"mode must be one of {', '.join(ASYNC_MODES)}, got {self.mode!r}")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if self.correction not in ASYNC_ALIASES:
+            raise ValueError(f"correction must be one of {', '.join(ASYNC_ALIASES)}, got {self.correction!r}")
         if not self.cap >= 1:
             raise ValueError(f"cap must be >= 1, got {self.cap}")
         if self.max_staleness < 0:
@@ -220,6 +221,8 @@ class TrainerConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)  # trackers, rollout dumps, the per-step line
     asynchrony: AsyncConfig = field(default_factory=AsyncConfig)  # on the command line: trainer.async
+    # the engine-vs-learner gap: importance weights / rejection of model tokens, and its metrics (every step)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     eval_every: int = 0  # steps between held-out evaluations (0: at the start and the end only)
     # consecutive steps with a skipped (non-finite gradients) optimizer step or non-finite weights
     # after one before the run stops (a non-finite model is never saved)
@@ -237,6 +240,10 @@ class TrainerConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        self.correction.check_async_alias(self.asynchrony.correction, self.asynchrony.cap)
+        if self.correction.mode not in ("auto", "none") and self.ppo.old_logprobs != "learner":
+            raise ValueError(f"correction.mode={self.correction.mode} needs ppo.old_logprobs=learner (with the "
+                             f"engine's log-probs as the old ones there is no gap to correct)")
         if self.asynchrony.mode != "off" and self.ppo.old_logprobs != "learner":
             raise ValueError(f"trainer.async={self.asynchrony.mode} needs trainer.ppo.old_logprobs=learner (the "
                              f"proximal policy; the engine's log-probs are the behaviour policy's)")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import LossConfig
+from megatron_tir.rl.correction import CorrectionConfig
 from megatron_tir.rollout.driver import RolloutConfig
 from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
 from megatron_tir.tir import PromptConfig
@@ -93,6 +94,7 @@ def _simpletir(model: str, *, tp: int, pp: int, **memory) -> TrainConfig:
                                                    min_group_rows=4),
                               ppo=PPOConfig(epochs=1, mini_batches=4),
                               checkpoint=CheckpointConfig(every=20, minutes=60.0, keep_last=3), eval_every=20,
+                              correction=CorrectionConfig(mode="none"),  # verl, synchronous: no rollout correction
                               turn_schedule=TurnScheduleConfig(on_plateau=True, max_turns=10,
                                                                max_response_tokens=24576)),
     )
@@ -153,7 +155,8 @@ def qwen25_7b_zerotir() -> TrainConfig:
         trainer=TrainerConfig(steps=500, mode="simpletir", sampling=SamplingConfig(prompts_per_step=128),
                               filters=FilterConfig(drop_zero_std=True, overlong="mask"),
                               ppo=PPOConfig(advantage="gae", epochs=1, mini_batches=1),
-                              checkpoint=cfg.trainer.checkpoint, eval_every=20),
+                              checkpoint=cfg.trainer.checkpoint, eval_every=20,
+                              correction=CorrectionConfig(mode="none")),  # OpenRLHF's PPO: no rollout correction
         critic=CriticConfig(lr=5e-6, warmup_steps=10, value_clip=0.2, gamma=1.0, lam=1.0, kl_reward_coef=0.0),
     )
 
