@@ -150,6 +150,12 @@ class Verdict:
     value: float | None = None  # reward.function's result (None: math-verify's 1 or 0)
 
     @property
+    def failed(self) -> bool:
+        """The check itself failed (a time-out, a crashed worker, an error of math-verify or of
+        ``reward.function``), not the answer: ZeroTIR's ``rule_eval_fails`` (``--use_eval_filter``)."""
+        return self.timed_out or (self.error is not None and self.error != "no final answer")
+
+    @property
     def reward(self) -> float:
         if self.value is not None:
             return self.value

@@ -13,6 +13,7 @@ A row (trajectory) plays two roles in an update:
 | void (ended on a void turn)  | yes        | no if the mode drops void rows, else yes |
 | tool_failed / aborted        | no         | no (infrastructure, not the model)     |
 | truncated (token budget)     | ``"drop"``: no, else yes | ``"mask"`` / ``"drop"``: no; ``"keep"``: yes |
+| excluded (``excluded_B``: the per-row eval filter) | yes | no |
 
 Void rows stay in their group's statistics because SimpleTIR computes advantages over all
 sampled trajectories and only then removes void ones from the loss.
@@ -55,8 +56,10 @@ OVERLONG = ("mask", "keep", "drop")  # "drop": SimpleTIR's released ``remove_cli
 
 
 def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: torch.Tensor, drop_void: bool,
-                overlong: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(stats_B, loss_B)`` booleans per the table above. ``infra_B``: tool_failed or aborted."""
+                overlong: str, excluded_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stats_B, loss_B)`` booleans per the table above. ``infra_B``: tool_failed or aborted;
+    ``excluded_B`` (optional): rows a per-row filter keeps out of the loss
+    (:func:`megatron_tir.train.row_filter.eval_filter_B`)."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     void_B, infra_B, truncated_B = void_B.bool(), infra_B.bool(), truncated_B.bool()
@@ -68,6 +71,8 @@ def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: tor
         loss_B = loss_B & ~void_B
     if overlong in ("mask", "drop"):
         loss_B = loss_B & ~truncated_B
+    if excluded_B is not None:
+        loss_B = loss_B & ~excluded_B.bool()
     return stats_B, loss_B
 
 

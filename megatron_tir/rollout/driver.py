@@ -276,7 +276,8 @@ class TIRRollout:
         traj.final_answer, traj.answer_source = proto.final_answer(answers, response_text)
         if self.verifier is not None and traj.ground_truth:
             t0 = time.perf_counter()
-            traj.reward = await self.verifier.ascore(traj.final_answer, traj.ground_truth)
+            verdict = await self.verifier.acheck(traj.final_answer, traj.ground_truth)
+            traj.reward, traj.reward_failed = verdict.reward, verdict.failed
             traj.timings.reward_s = time.perf_counter() - t0
         traj.timings.wall_s = time.perf_counter() - t_start
         return traj

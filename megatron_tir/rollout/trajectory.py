@@ -119,6 +119,7 @@ class Trajectory:
     final_answer: str | None = None
     answer_source: str | None = None  # "model" (a \boxed{} in model text) or "tool" (final_answer output)
     reward: float | None = None
+    reward_failed: bool = False  # the answer check failed (time-out, crashed worker, error): Verdict.failed
     engine_requests: int = 0
     timings: Timings = field(default_factory=Timings)
 

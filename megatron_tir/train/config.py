@@ -100,6 +100,10 @@ class FilterConfig:
     min_group_rows: int = 1  # group filter: groups with fewer counted rows are dropped (release: 4 with "drop")
     low_prob_fraction: float = 0.02  # mode low_prob_filter: share of each row's tokens masked
     high_ratio_bound: float = 5.0  # mode high_ratio_filter: tokens with ratio above it get no loss
+    # row filter (ZeroTIR's --use_eval_filter): rows whose response's repeat score (ZeroTIR's repeatness,
+    # megatron_tir.observe.zerotir) exceeds it leave the loss (they stay in the group statistics); None: off
+    max_repeat_score: float | None = None
+    drop_verifier_failures: bool = False  # row filter: rows whose answer check failed (time-out, error) leave the loss
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG:
@@ -112,6 +116,8 @@ class FilterConfig:
             raise ValueError(f"low_prob_fraction must be in [0, 1), got {self.low_prob_fraction}")
         if not self.high_ratio_bound > 1:
             raise ValueError(f"high_ratio_bound must be > 1, got {self.high_ratio_bound}")
+        if self.max_repeat_score is not None and not 0 <= self.max_repeat_score <= 1:
+            raise ValueError(f"max_repeat_score must be in [0, 1] (or null), got {self.max_repeat_score}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 
 from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
-from megatron_tir.rollout.batch import RowFate, collate, weight_version_metrics
+from megatron_tir.rollout.batch import RowFate, collate, flatten, weight_version_metrics
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
 from megatron_tir.train.batch import TrainRows, UpdatePlan, deal_rows, plan_update
 from megatron_tir.train.config import TrainConfig
+from megatron_tir.train.critic_update import warmup_unfiltered
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.group_producer import GroupProducer
 from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
+from megatron_tir.train.row_filter import eval_filter_B
 from megatron_tir.train.sampling import Collected, collect_groups
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
@@ -59,9 +61,11 @@ class Rounds:
     def submit(self, step: int) -> concurrent.futures.Future:
         p, tc = self.p, self.p.cfg.trainer
         f = tc.filters
+        off = p.warmup_unfiltered(step)  # a critic-only warm-up step with critic.filter_in_warmup=false
         coro = collect_groups(functools.partial(self._sample_round, p.rollout_cfg), want=tc.sampling.prompts_per_step,
-                              max_rounds=tc.sampling.max_rounds, drop_zero_std=f.drop_zero_std,
-                              accuracy_lo=f.accuracy_lo, accuracy_hi=f.accuracy_hi, overlong=f.overlong,
+                              max_rounds=tc.sampling.max_rounds, drop_zero_std=f.drop_zero_std and not off,
+                              accuracy_lo=0.0 if off else f.accuracy_lo, accuracy_hi=1.0 if off else f.accuracy_hi,
+                              overlong=f.overlong,
                               min_rows=f.min_group_rows, strategy=tc.sampling.strategy, seed=tc.seed * 100003 + step)
         return p.service.submit(coro)
 
@@ -196,18 +200,28 @@ class Producer:
                   or getattr(getattr(self.service, "sandbox", None), "unavailable", None)}
         shares, plan = None, None
         if got.groups and header["stop"] is None:
-            shares, plan = self._rows(got, header, metrics)
+            shares, plan = self._rows(got, header, metrics, step)
         metrics["time/rollout"] = time.perf_counter() - t0
         return Produced(header=header, shares=shares, metrics=metrics, collected=got, fates=row_fates(got, plan))
 
-    def _rows(self, got: Collected, header: dict, metrics: dict) -> tuple[list[TrainRows] | None, UpdatePlan]:
+    def warmup_unfiltered(self, step: int) -> bool:
+        """Whether step ``step`` samples and trains without the group and row filters (critic warm-up)."""
+        return warmup_unfiltered(self.cfg.critic, uses_critic=needs_values(self.cfg.trainer.ppo.advantage), step=step)
+
+    def _rows(self, got: Collected, header: dict, metrics: dict,
+              step: int = 0) -> tuple[list[TrainRows] | None, UpdatePlan]:
         """Row roles and group advantages over every counted row, the rows some token of which is trained,
         dealt to the replicas (None: no row is trained), and the plan that decided them."""
         tc = self.cfg.trainer
         rb = collate(got.groups, pad_id=self.pad_id)
         per_token = needs_values(tc.ppo.advantage)  # the critic's GAE fills the advantages in on every rank
+        excluded = None if self.warmup_unfiltered(step) else eval_filter_B(
+            flatten(got.groups), max_repeat_score=tc.filters.max_repeat_score,
+            drop_verifier_failures=tc.filters.drop_verifier_failures)
+        if excluded is not None:
+            metrics["filter/rows_eval_filtered"] = float(excluded.sum())
         plan = plan_update(rb, mode=tc.mode, advantage=None if per_token else tc.ppo.advantage,
-                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches, excluded_B=excluded)
         s = rb.rows
         metrics |= {"filter/rows": float(rb.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
                     "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),

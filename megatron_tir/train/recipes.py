@@ -138,26 +138,41 @@ def qwen25_7b_textonly() -> TrainConfig:
 
 def qwen25_7b_zerotir() -> TrainConfig:
     """ZeroTIR's PPO on Qwen2.5-7B: GAE with a critic trained on the model's tokens. From arXiv 2505.07773
-    and yyht/openrlhf_async_pipline
-    ``examples/scripts/train_long_cot_ray_7b_ppo_tune_zero_v1_onpolicy_env_mask.sh``: GAE with
-    gamma = lambda = 1 and a critic trained on the model's tokens only (``--use_env_mask``), critic
-    lr 5e-6 and 10 critic-only steps (``--freezing_actor_steps 10``), value clip 0.2 (OpenRLHF's
-    default), 128 prompts x 16 samples per rollout and one update on all of them, groups with
-    0/16 or 16/16 correct dropped (``--use_acc_filter``), 16000 generated tokens. The script
-    leaves the actor lr and the KL coefficient as variables (``${LR}``, ``${KL}``): 1e-6 and no KL
-    here."""
+    and yyht/openrlhf_async_pipline at 63b6159
+    ``examples/scripts/train_long_cot_ray_7b_ppo_tune_zero_v1_onpolicy_env_mask.sh``, its variables as
+    the repository's README run block sets them (e35b11b: ``WARMUP=0.0 LR=1e-6 KL=0.0
+    ENTROPY_RATIO=0.0 ENV_ITER_NUM=2``) and ``openrlhf/cli/train_ppo_ray.py``'s defaults for the flags
+    it leaves out. Item by item, with the script's line or flag:
+    ``tests/megatron_tir/train/test_zerotir_recipe.py``; what still departs and why: docs/recipes.md.
+
+    GAE with gamma = lambda = 1 restarting at every tool-output token (``lastgaelam *= env_mask``),
+    the critic on the model's tokens only (``--use_env_mask``), its loss each row's mean (micro-batch
+    1), critic lr 5e-6, 10 critic-only steps without the filters (``--freezing_actor_steps 10``),
+    value clip -0.2 / +0.28; 128 prompts x 16 samples and one update on all of them; groups with
+    accuracy in [1/16, 0.8] (``--use_acc_filter``), rows whose check failed or that repeat (> 0.05)
+    out of the loss (``--use_eval_filter``); truncated rows trained; 2 tool calls then a last turn;
+    clip 0.2 / 0.28 and no dual clip, the loss over every response token (``--use_prefetch``); Adam
+    (0.9, 0.95), no weight decay, no warm-up, lr 1e-6, no KL, no entropy."""
     cfg = qwen25_7b_simpletir()
     return TrainConfig(
-        model=cfg.model, learner=dataclasses.replace(cfg.learner, weight_decay=0.0, adam_beta2=0.999),
-        rollout=dataclasses.replace(cfg.rollout, protocol="default", max_turn_tokens=None, max_response_tokens=16000),
+        model=cfg.model, learner=dataclasses.replace(cfg.learner, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                                                    lr=1e-6, warmup_steps=0, grad_clip=1.0),
+        rollout=dataclasses.replace(cfg.rollout, protocol="default", max_turn_tokens=None, max_response_tokens=16000,
+                                    max_turns=3, temperature=1.0, top_p=1.0),
         engine=cfg.engine, sandbox=cfg.sandbox, reward=cfg.reward,
         data=dataclasses.replace(cfg.data, eval_top_p=None),
-        trainer=TrainerConfig(steps=500, mode="simpletir", sampling=SamplingConfig(prompts_per_step=128),
-                              filters=FilterConfig(drop_zero_std=True, overlong="mask"),
+        trainer=TrainerConfig(steps=500, mode="stop_without_filter", sampling=SamplingConfig(prompts_per_step=128),
+                              filters=FilterConfig(drop_zero_std=False, accuracy_lo=1 / 16, accuracy_hi=0.8,
+                                                   overlong="keep", max_repeat_score=0.05,
+                                                   drop_verifier_failures=True),
                               ppo=PPOConfig(advantage="gae", epochs=1, mini_batches=1),
+                              loss=LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.0,
+                                              entropy_coef=0.0, denominator="response_tokens"),
                               checkpoint=cfg.trainer.checkpoint, eval_every=20,
                               correction=CorrectionConfig(mode="none")),  # OpenRLHF's PPO: no rollout correction
-        critic=CriticConfig(lr=5e-6, warmup_steps=10, value_clip=0.2, gamma=1.0, lam=1.0, kl_reward_coef=0.0),
+        critic=CriticConfig(lr=5e-6, warmup_steps=10, value_clip=0.2, value_clip_high=0.28, gamma=1.0, lam=1.0,
+                            gae_across_feedback="reset", aggregation="seq_mean", filter_in_warmup=False,
+                            kl_reward_coef=0.0, whiten="batch"),
     )
 
 
