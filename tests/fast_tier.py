@@ -47,7 +47,7 @@ HEAVY_CALLABLES = {
     "checkpoints_tools.verify.verify",
     "posix.fork",  # os.fork
     "megatron_tir.train.run.run_training",
-    "megatron_tir.model_sources.materialize_smollm2",
+    "megatron_tir.named_models.materialize_smollm2",
     "megatron_tir.rollout.factory.open_sandbox",
     "sandbox_cluster.cluster.LocalCluster",
     "sandbox_cluster.cli.main",
