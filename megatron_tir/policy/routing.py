@@ -176,9 +176,9 @@ class UpdateRouting:
     * ``none``: every pass routes freely; the top-k changed share of the update against the old pass.
     * ``old_pass``: the routing of the old-log-prob pass (the tap's record after it: ``[B, T, layers of
       this stage, k]`` of the update's rows) is replayed in every micro-batch of every policy-update step.
-    * ``rollout``: the engine's routing, carried per token with the rows (``[B, T, model layers, k]``
-      logical expert ids, -1 where the engine reported none: a token is then routed freely), replayed
-      the same way; this stage's layers are picked by the routers' layer numbers.
+    * ``rollout``: the engine's routing, carried per token with the rows (``TrainRows.routed_experts_BTX``:
+      ``[B, T, model layers x k]`` logical expert ids, -1 where the engine reported none: a token is then
+      routed freely), replayed the same way; this stage's layers are picked by the routers' layer numbers.
 
     The record is keyed by the update's rows: ``mini_batch(select_B)`` hands the mini-batch's rows
     (``record[select_B]``, the rows ``train.batch.mini_batches`` selects, in their order) to the tap,
@@ -197,21 +197,22 @@ class UpdateRouting:
         self._record: torch.Tensor | None = None
         self._counts = torch.zeros(2, dtype=torch.float64)  # changed pairs, compared pairs
 
-    def start(self, *, old_pass: bool, rollout_BTLK: torch.Tensor | None = None) -> None:
+    def start(self, *, old_pass: bool, rollout_BTX: torch.Tensor | None = None) -> None:
         """Call after the old-log-prob pass (``old_pass``: it ran on the policy, so the tap holds its
         record) with the rows' rollout routing where the mode is ``rollout``."""
         self._counts.zero_()
         if self.mode == "rollout":
-            if rollout_BTLK is None:
+            if rollout_BTX is None:
                 raise ValueError("trainer.ppo.routing_replay=rollout, but the rows carry no rollout routing "
                                  "(the engine did not return routed experts)")
-            self._record = self._stage_layers(rollout_BTLK)
+            self._record = self._stage_layers(rollout_BTX)
         else:
             self._record = self.tap.recorded if old_pass else None
 
-    def _stage_layers(self, record_BTLK: torch.Tensor) -> torch.Tensor:
-        if record_BTLK.dim() != 4 or record_BTLK.shape[3] != self.tap.k:
-            raise ValueError(f"rollout routing must be [B, T, layers, {self.tap.k}], got {tuple(record_BTLK.shape)}")
+    def _stage_layers(self, record_BTX: torch.Tensor) -> torch.Tensor:
+        if record_BTX.dim() != 3 or record_BTX.shape[2] % self.tap.k:
+            raise ValueError(f"rollout routing must be [B, T, layers x {self.tap.k}], got {tuple(record_BTX.shape)}")
+        record_BTLK = record_BTX.view(*record_BTX.shape[:2], -1, self.tap.k)
         if max(self.tap.layer_numbers) > record_BTLK.shape[2]:
             raise ValueError(f"rollout routing has {record_BTLK.shape[2]} layers; this stage's routers reach layer "
                              f"{max(self.tap.layer_numbers)}")

@@ -70,6 +70,8 @@ class RolloutBatch:
     lengths_B: torch.Tensor  # long: prompt + response length
     sample_index_B: torch.Tensor  # long
     rows: RowSummaries  # rewards, groups, statuses
+    # rollout.routed_experts: int16 [B, T, layers x k] the engine's expert ids of each token (-1: none reported)
+    routed_experts_BTX: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -172,7 +174,23 @@ def collate(groups: Sequence[Group], *, pad_id: int, max_len: int | None = None)
         lengths_B=torch.tensor(lengths, dtype=torch.long),
         sample_index_B=torch.tensor([t.sample_index for _, t in rows], dtype=torch.long),
         rows=_summaries(rows),
+        routed_experts_BTX=_routed_experts(rows, T),
     )
+
+
+def _routed_experts(rows: Sequence[tuple[int, Trajectory]], T: int) -> torch.Tensor | None:
+    """The trajectories' engine routing (``Trajectory.routed_experts``) as ``[B, T, layers x k]``, -1 where
+    none was reported; None when no trajectory carries any."""
+    widths = {t.routed_experts.shape[1] for _, t in rows if t.routed_experts is not None}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"trajectories carry routing of different widths {sorted(widths)}")
+    out = torch.full((len(rows), T, widths.pop()), -1, dtype=torch.int16)
+    for b, (_, t) in enumerate(rows):
+        if t.routed_experts is not None:
+            out[b, :t.routed_experts.shape[0]] = t.routed_experts.to(torch.int16)
+    return out
 
 
 LAG_BINS = 16  # the staleness histogram's last bin: lags of 16 versions or more

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout.batch import Group
 from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.routing_trace import RoutingTrace
 from megatron_tir.rollout.sandbox import Sandbox
 from megatron_tir.rollout.tools.base import FeedbackContext, Tool, ToolResult
 from megatron_tir.rollout.tools.registry import ToolContext, build_tools, check_toolset
@@ -83,6 +84,8 @@ class RolloutConfig:
     # "stop": a void turn ends the trajectory (status void, excluded from the policy loss);
     # "continue": the void turn gets no feedback and the trajectory goes on (the naive mode).
     void_turn: str = "stop"
+    # the engine's MoE routing of every token, carried with the trajectory (rollout.routing_trace)
+    routed_experts: bool = False
     tools: bool = True  # False: text-only, one turn, no code stop strings, nothing executed
     toolset: tuple[str, ...] = (PYTHON,)  # the tools a turn may call (megatron_tir.rollout.tools.registry)
     prompt: PromptConfig = field(default_factory=PromptConfig)  # protocol "default" only
@@ -202,6 +205,7 @@ class TIRRollout:
         t_start = time.perf_counter()
         answers: list[tuple[str, str]] = []  # (answer, source) in the order they appeared
         max_turns = cfg.max_turns if cfg.tools else 1
+        trace = RoutingTrace() if cfg.routed_experts else None  # the engine's routing of every position
 
         for turn_index in range(max_turns):
             budget = cfg.max_response_tokens - len(traj.response_ids)
@@ -214,7 +218,8 @@ class TIRRollout:
             # The prompt may end inside the first turn (PromptConfig.response_prefix, e.g. an
             # opened code block): that text is parsed as the start of turn 0.
             prefix = proto.response_prefix if turn_index == 0 else ""
-            tr = await self._generate_turn(context, budget, rng, prefix, route_key=f"{group_id}/{sample_index}")
+            tr = await self._generate_turn(context, budget, rng, prefix, route_key=f"{group_id}/{sample_index}",
+                                           trace=trace)
             traj.engine_requests += tr.requests
             traj.timings.generation_s += tr.seconds
             cls = proto.classify(prefix + tr.text, tr.finish, self.tools)
@@ -272,6 +277,8 @@ class TIRRollout:
         else:
             traj.status = FinishStatus.MAX_TURNS
 
+        if trace is not None:
+            traj.routed_experts = trace.rows()
         response_text = self.tokenizer.decode(traj.response_ids, skip_special_tokens=True)
         traj.final_answer, traj.answer_source = proto.final_answer(answers, response_text)
         if self.verifier is not None and traj.ground_truth:
@@ -283,7 +290,7 @@ class TIRRollout:
         return traj
 
     async def _generate_turn(self, context: list[int], budget: int, rng: random.Random, prefix: str = "",
-                             route_key: str | None = None) -> _TurnResult:
+                             route_key: str | None = None, trace: RoutingTrace | None = None) -> _TurnResult:
         """Generate one model turn in phases (see megatron_tir.tir.markup) within ``budget`` tokens.
 
         ``prefix`` is text at the end of ``context`` that belongs to this turn's markup.
@@ -302,7 +309,8 @@ class TIRRollout:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
                                     top_k=cfg.top_k, stop=proto.stop_strings(prefix + text, self.tools),
                                     seed=rng.getrandbits(63),
-                                    route_key=route_key)  # one server per trajectory: its prefix cache
+                                    route_key=route_key,  # one server per trajectory: its prefix cache
+                                    routed_experts_from=None if trace is None else trace.covered)
             t0 = time.perf_counter()
             try:
                 gen = await self.engine.generate(context + ids, params)
@@ -316,6 +324,8 @@ class TIRRollout:
                 break
             seconds += time.perf_counter() - t0
             requests += 1
+            if trace is not None:
+                trace.add(gen.routed_experts, start=params.routed_experts_from)
             ids.extend(gen.token_ids)
             logprobs.extend(gen.logprobs)
             versions.extend(gen.versions)
@@ -327,6 +337,8 @@ class TIRRollout:
                 ids, logprobs, text = self._trim_overshoot(ids, logprobs, text, prefix)
                 discarded = n - len(ids)
                 versions = versions[:len(ids)]
+                if trace is not None:
+                    trace.truncate(len(context) + len(ids))
                 if discarded:
                     finish = FinishReason.STOP  # the turn ends at the fence, before what the engine ended on
                 break

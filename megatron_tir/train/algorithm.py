@@ -109,7 +109,7 @@ class PolicyGradient:
                 rows.tokens_BT, rows.attention_mask_BT, temperature=self.temperature, local_rows=True, tick=tick)
         if self.routing is not None:  # after the old pass: the routing its rows replay (or compare with)
             self.routing.start(old_pass=tc.ppo.old_logprobs == "learner",
-                               rollout_BTLK=getattr(rows, "routed_experts_BTLK", None))  # none yet: config refuses rollout
+                               rollout_BTX=rows.routed_experts_BTX)  # the engine's (routing_replay=rollout)
         values_BT = self._values(rows, timings)
         stats = None
         if rows.loss_mask_BT is not None:  # this stage computes the loss

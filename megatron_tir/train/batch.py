@@ -44,6 +44,8 @@ class TrainRows:
     advantages_BT: torch.Tensor | None = None  # 0 with a critic (GAE fills them in: megatron_tir.train.critic_update)
     rewards_B: torch.Tensor | None = None  # the rows' outcome rewards (the critic's token rewards)
     turn_index_BT: torch.Tensor | None = None  # long: turn index of each model token, -1 elsewhere
+    # int16 [B, T, layers x k]: the engine's MoE routing (rollout.routed_experts), -1 where none; every stage reads it
+    routed_experts_BTX: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -58,7 +60,7 @@ class TrainRows:
         idx = torch.as_tensor(list(index), dtype=torch.long)
         attn = self.attention_mask_BT[idx]
         T = int(attn.any(0).nonzero().max()) + 1 if attn.any() else 1
-        return TrainRows(**{k: v[idx][:, :T] if v.dim() == 2 else v[idx] for k, v in self.tensors().items()})
+        return TrainRows(**{k: v[idx][:, :T] if v.dim() >= 2 else v[idx] for k, v in self.tensors().items()})
 
     def stand_in(self, row: int, mini_batch: int) -> TrainRows:
         """Row ``row`` with no loss token, in ``mini_batch``: a replica's share when it has no row (it
@@ -72,6 +74,8 @@ class TrainRows:
         """What a pipeline stage receives of these rows (:func:`stage_fields`); a middle stage gets the
         row lengths in place of the attention mask (its micro-batch shapes: ``from_stage`` rebuilds it)."""
         out = {name: getattr(self, name) for name in stage_fields(first=first, last=last)}
+        if self.routed_experts_BTX is not None:  # each stage replays its own layers' routing
+            out["routed_experts_BTX"] = self.routed_experts_BTX
         if not (first or last):  # its spans are its lengths (right padding): nothing per token travels
             del out["attention_mask_BT"]
             lengths_B = self.attention_mask_BT.sum(1)
@@ -95,7 +99,8 @@ class TrainRows:
         def pad(name: str, v: torch.Tensor) -> torch.Tensor:
             if v.dim() == 1:
                 return v
-            return torch.nn.functional.pad(v, (0, T - v.shape[1]), value=_PAD.get(name, 0))
+            pad_T = (0, 0, 0, T - v.shape[1]) if v.dim() == 3 else (0, T - v.shape[1])
+            return torch.nn.functional.pad(v, pad_T, value=_PAD.get(name, 0))
         return TrainRows(**{name: torch.cat([pad(name, p.tensors()[name]) for p in parts])
                             for name in parts[0].tensors()})
 
@@ -118,7 +123,7 @@ def _right_padded(lengths_B: torch.Tensor, T: int) -> torch.Tensor:
     return torch.arange(T).unsqueeze(0) < lengths_B.unsqueeze(1)
 
 
-_PAD = {"turn_index_BT": -1}  # what a padding column holds (0 elsewhere)
+_PAD = {"turn_index_BT": -1, "routed_experts_BTX": -1}  # what a padding column holds (0 elsewhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,7 +161,8 @@ def plan_update(rb: RolloutBatch, *, mode: str, advantage: str | None, overlong:
     rows = TrainRows(tokens_BT=rb.tokens_BT[trained_B], attention_mask_BT=rb.attention_mask_BT[trained_B],
                      loss_mask_BT=mask_BT[trained_B], engine_logprobs_BT=rb.engine_logprobs_BT[trained_B],
                      advantages_BT=adv_BT[trained_B], rewards_B=s.rewards_B[trained_B],
-                     turn_index_BT=rb.turn_index_BT[trained_B], mini_batch_B=mini_batch_B)
+                     turn_index_BT=rb.turn_index_BT[trained_B], mini_batch_B=mini_batch_B,
+                     routed_experts_BTX=None if rb.routed_experts_BTX is None else rb.routed_experts_BTX[trained_B])
     return UpdatePlan(rows=rows, stats_B=stats_B, trained_B=trained_B, advantages_B=adv_B,
                       versions_BT=rb.versions_BT[trained_B], estimated=advantage is not None)
 

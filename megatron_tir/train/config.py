@@ -29,13 +29,13 @@ from megatron_tir.reward import RewardConfig
 from megatron_tir.rl import MODES, OVERLONG, LossConfig, needs_values
 from megatron_tir.rl.correction import ASYNC_ALIASES, CorrectionConfig
 from megatron_tir.rollout.driver import RolloutConfig
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, engine_kind
 from megatron_tir.train.sampling import SAMPLING_STRATEGIES
 from megatron_tir.train.critic_update import CriticConfig
 from megatron_tir.train.turn_schedule import TurnScheduleConfig
 
 DERIVED_KEYS = ("learner.model", "engine.model")  # set from TrainConfig.model
-DECIDED_BY = {"rollout.void_turn": "trainer.mode"}  # key -> the key that decides it (TrainConfig.__post_init__)
+DECIDED_BY = {"rollout.void_turn": "trainer.mode", "rollout.routed_experts": "trainer.ppo.routing_replay"}  # key -> the key that decides it (TrainConfig.__post_init__)
 ALGORITHM_NAMES = ("auto", "policy_gradient", "critic_ppo")  # megatron_tir.train.algorithm.ALGORITHMS, and auto
 OLD_LOGPROBS = ("learner", "engine")
 ASYNC_MODES = ("off", "one_step", "full")
@@ -287,14 +287,15 @@ class TrainConfig:
             raise ValueError(f"trainer.async={self.trainer.asynchrony.mode} cannot overlap with engine.colocated=true: "
                              f"generation and training share the GPUs (colocated engines free their memory for "
                              f"training; run the engines on their own GPUs, or trainer.async=off)")
-        if self.trainer.ppo.routing_replay == "rollout":  # policy.routing.UpdateRouting replays it once rows carry it
-            raise ValueError("trainer.ppo.routing_replay=rollout is not available yet: SGLang 0.5.23 returns routed "
-                             "experts (return_routed_experts), but trajectories do not carry them to the learner; "
-                             "use old_pass")
+        if self.trainer.ppo.routing_replay == "rollout" and not engine_kind(self.engine.kind).routed_experts:
+            raise ValueError(f"trainer.ppo.routing_replay=rollout needs an engine that reports routed experts "
+                             f"(engine.kind={self.engine.kind} does not; sglang does, its servers launched with "
+                             f"--enable-return-routed-experts); use old_pass")
         check_finite(self)  # every float setting of every section, also when built in code (megatron_tir.finite)
         self.learner.model = self.model
         self.engine.model = self.model
         self.rollout.void_turn = MODES[self.trainer.mode].void_turn  # the mode decides (megatron_tir.rl.rows)
+        self.rollout.routed_experts = self.trainer.ppo.routing_replay == "rollout"  # the trajectories carry them
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -36,6 +36,9 @@ class SamplingParams:
     # prefix cache holds their shared prefix (e.g. one trajectory's turns). Engines with one
     # backend ignore it.
     route_key: str | None = None
+    # MoE: ask for the routed experts of the sequence's positions from this one on (engines that can:
+    # EngineKind.routed_experts; Generation.routed_experts); None: not asked
+    routed_experts_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.route_key is not None and not isinstance(self.route_key, str):
             raise ValueError(f"route_key must be a string or None, got {type(self.route_key).__name__}")
+        if self.routed_experts_from is not None and self.routed_experts_from < 0:
+            raise ValueError(f"routed_experts_from must be >= 0, got {self.routed_experts_from}")
 
 
 class FinishReason(str, enum.Enum):
@@ -70,6 +75,10 @@ class Generation:
     prompt_tokens: int = 0
     meta: dict = field(default_factory=dict)
     versions: list[int] = field(default_factory=list)  # one per token: the weight version that sampled it
+    # asked for (SamplingParams.routed_experts_from = s): ``[n, layers x k]`` int32 logical expert ids of
+    # positions s .. s + n - 1 of prompt + output (the last output token was never forwarded: n = prompt +
+    # output - 1 - s); None when not asked, or the request was aborted before the server reported them
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), "one log-prob per sampled token"
@@ -210,3 +219,4 @@ class EngineKind:
     engine_sync: Callable[[EngineConfig, GenerationEngine, PauseMode], EngineWeightSync | None]
     weight_sync: Callable[[EngineConfig, Any, PauseMode], WeightSync]
     servers: Callable[[ServerPlan], list[tuple[str, list[str]]]] | None = None
+    routed_experts: bool = False  # its engine answers SamplingParams.routed_experts_from (MoE routing replay)

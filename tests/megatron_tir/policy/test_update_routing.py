@@ -80,7 +80,7 @@ def test_a_rollout_record_routes_known_tokens_and_leaves_the_rest_to_the_router(
     rollout = torch.rand(6, 16, 2, 8, generator=g).argsort(dim=-1)[..., :2].to(torch.int32)  # any 2 of 8 experts
     rollout[:, -4:] = -1  # tokens the engine reported nothing for (the sequence's last one, say)
     routing = UpdateRouting(learner.routing, "rollout")
-    routing.start(old_pass=True, rollout_BTLK=rollout)
+    routing.start(old_pass=True, rollout_BTX=rollout.flatten(2))
     used = _update(learner, routing, batch)
     for k in range(3):
         real = batch.attention_mask_BT[MINI_B == k].clone()
@@ -100,7 +100,9 @@ def test_bad_settings_are_refused(learner):
     with pytest.raises(ValueError, match="carry no rollout routing"):
         routing.start(old_pass=True)
     with pytest.raises(ValueError, match=r"rollout routing has 1 layers"):
-        routing.start(old_pass=True, rollout_BTLK=torch.zeros(6, 16, 1, 2, dtype=torch.int32))
+        routing.start(old_pass=True, rollout_BTX=torch.zeros(6, 16, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"must be \[B, T, layers x 2\]"):
+        routing.start(old_pass=True, rollout_BTX=torch.zeros(6, 16, 3, dtype=torch.int32))
 
 
 def _pp_run(rank: int, world: int, out: str) -> None:
@@ -115,7 +117,7 @@ def _pp_run(rank: int, world: int, out: str) -> None:
     g = torch.Generator().manual_seed(0)
     rollout = torch.rand(6, 16, 2, 8, generator=g).argsort(dim=-1)[..., :2].to(torch.int32)
     routing = UpdateRouting(learner.routing, "rollout")
-    routing.start(old_pass=False, rollout_BTLK=rollout)
+    routing.start(old_pass=False, rollout_BTX=rollout.flatten(2))
     stage = parallel_state.get_pipeline_model_parallel_rank()
     mine = batch if stage == 1 else TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT,
                                                loss_mask_BT=None)

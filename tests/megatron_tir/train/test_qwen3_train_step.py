@@ -57,4 +57,5 @@ def test_rollout_replay_is_refused_with_one_line(tmp_path):
                         "--set", "trainer.ppo.routing_replay=rollout", "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode != 0
-    assert "routing_replay=rollout is not available yet: SGLang 0.5.23" in p.stderr.strip().splitlines()[-1]
+    assert "routing_replay=rollout needs an engine that reports routed experts (engine.kind=local does not" \
+        in p.stderr.strip().splitlines()[-1]

@@ -341,7 +341,7 @@ class SGLangEngine(SGLangControl):
             if status != 200:
                 raise ValueError(f"SGLang {server.url} rejected the request ({status}): {error_message(body)}")
             gen = parse_generate_response(body, prompt_tokens=len(prompt), eos_token_ids=self.eos_token_ids,
-                                          server=server.url)
+                                          server=server.url, routed_experts_from=params.routed_experts_from)
             served = gen.versions[-1] if gen.versions else parse_weight_version(
                 gen.meta.get("weight_version"), where="meta_info.weight_version")
             if served < sent_version:  # the server missed a sync (it restarted): drop the answer

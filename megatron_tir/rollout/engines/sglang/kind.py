@@ -87,4 +87,5 @@ def servers(plan: ServerPlan) -> list[tuple[str, list[str]]]:
 
 
 SGLANG = EngineKind(check=check, where=lambda cfg: ", ".join(cfg.urls), settings=settings, build=build,
-                    engine_sync=engine_sync, weight_sync=weight_sync, servers=servers)
+                    engine_sync=engine_sync, weight_sync=weight_sync, servers=servers,
+                    routed_experts=True)  # meta_info.routed_experts (servers with --enable-return-routed-experts)

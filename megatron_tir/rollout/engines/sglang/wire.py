@@ -18,6 +18,16 @@ version sampled which output tokens and ``meta_info.weight_version`` is the last
 token, ``add_weight_versions_to_meta_info``); they become ``Generation.versions``, one int
 per token (:func:`parse_weight_version`). SGLang's default sampler returns ``log(softmax(logits / T))`` of the
 sampled token before top-k / top-p (greedy: at T = 1) -- the local engine's convention.
+
+Routed experts (MoE, ``SamplingParams.routed_experts_from`` = s): the request carries
+``return_routed_experts: true`` and ``routed_experts_start_len: s`` (``srt/managers/io_struct.py``
+``GenerateReqInput``; the scheduler aborts the request when s is below 0 or above the prompt's
+length, ``srt/managers/scheduler.py``); the answer's ``meta_info.routed_experts`` is the base64 of
+an int32 array ``[prompt + output - 1 - s, layers, k]`` of logical expert ids, positions s ..
+prompt + output - 2 (``batch_result_processor._maybe_collect_routed_experts``,
+``detokenizer_manager._b64_encode_per_request``, ``state_capturer/routed_experts.py``
+``extract_routed_experts_from_meta_info``). A server started without
+``--enable-return-routed-experts`` has no capturer and leaves the key out: refused here.
 """
 
 from __future__ import annotations
@@ -27,6 +37,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_tir.rollout.engines.base import FinishReason, Generation, SamplingParams
+
+NO_ROUTED_EXPERTS = ("meta_info.routed_experts missing: launch the servers with --enable-return-routed-experts "
+                     "(SGLang answers without them otherwise)")
 
 
 class SGLangError(RuntimeError):
@@ -65,8 +78,11 @@ def build_generate_request(prompt_ids: Sequence[int], params: SamplingParams, *,
         sampling["stop_token_ids"] = stop_ids
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
-    return {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling,
+    body = {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling,
             "return_logprob": True}
+    if params.routed_experts_from is not None:
+        body |= {"return_routed_experts": True, "routed_experts_start_len": params.routed_experts_from}
+    return body
 
 
 def _weight_spans(value: Any, n_tokens: int, bad) -> list[dict[str, Any]]:
@@ -89,8 +105,9 @@ def _weight_spans(value: Any, n_tokens: int, bad) -> list[dict[str, Any]]:
 
 
 def parse_generate_response(body: Any, *, prompt_tokens: int, eos_token_ids: Iterable[int],
-                            server: str = "") -> Generation:
-    """A ``/generate`` JSON answer -> Generation; SGLangError naming the broken field otherwise."""
+                            server: str = "", routed_experts_from: int | None = None) -> Generation:
+    """A ``/generate`` JSON answer -> Generation; SGLangError naming the broken field otherwise.
+    ``routed_experts_from``: the request asked for the routed experts from that position on."""
     where = f"SGLang {server} /generate" if server else "SGLang /generate"
 
     def bad(what: str) -> SGLangError:
@@ -154,8 +171,33 @@ def parse_generate_response(body: Any, *, prompt_tokens: int, eos_token_ids: Ite
     versions = _token_versions(meta_out, len(output_ids), bad)
     if isinstance(meta.get("prompt_tokens"), int) and meta["prompt_tokens"] != prompt_tokens:
         raise bad(f"prompt_tokens {meta['prompt_tokens']} != the {prompt_tokens} ids sent")
+    routed = None
+    if routed_experts_from is not None and not (finish is FinishReason.ABORT and "routed_experts" not in meta):
+        routed = _routed_experts(meta.get("routed_experts"), prompt_tokens + len(output_ids) - 1 - routed_experts_from,
+                                 bad)
     return Generation(token_ids=list(output_ids), logprobs=logprobs, finish_reason=finish,
-                      matched_stop=matched_stop, prompt_tokens=prompt_tokens, meta=meta_out, versions=versions)
+                      matched_stop=matched_stop, prompt_tokens=prompt_tokens, meta=meta_out, versions=versions,
+                      routed_experts=routed)
+
+
+def _routed_experts(value: Any, rows: int, bad):
+    """``meta_info.routed_experts`` -> an int32 tensor ``[rows, layers x k]``."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    if value is None:
+        raise bad(NO_ROUTED_EXPERTS)
+    if not isinstance(value, str):
+        raise bad(f"meta_info.routed_experts is not a base64 string: {type(value).__name__}")
+    try:
+        flat = np.frombuffer(base64.b64decode(value, validate=True), dtype=np.int32)
+    except ValueError as exc:
+        raise bad(f"meta_info.routed_experts is not base64 of int32s: {exc}") from None
+    if rows < 0 or (rows == 0 and flat.size) or (rows and (flat.size == 0 or flat.size % rows)):
+        raise bad(f"meta_info.routed_experts has {flat.size} ids, not a whole number per each of {rows} positions")
+    return torch.from_numpy(flat.copy()).view(rows, -1 if rows else 0)
 
 
 def _token_versions(meta: dict[str, Any], n_tokens: int, bad) -> list[int]:

@@ -66,6 +66,9 @@ Behaviour held to sglang 0.5.23 (file names under ``sglang/srt/``):
      (``_receive_bucketed_weights_from_distributed``), where CUDA's caching allocator hands back a
      block freed by the previous bucket; a fresh CPU allocation would instead fault in every page
      of every bucket (~17 ms per 50 MB here), a cost the real server does not pay.
+  12. routed experts -- ``return_routed_experts`` / ``routed_experts_start_len`` as the scheduler
+     admits them and ``meta_info.routed_experts`` only with ``--enable-return-routed-experts``
+     (``fake_sglang_routing.py`` says which sglang files).
 Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a token trie of
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
@@ -87,6 +90,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fake_sglang_routing import routed_experts_b64, start_len_problem
 from sglang_schema import (
     api_types,
     sglang_tensor_bucket,
@@ -186,6 +190,7 @@ class FakeSGLangServer:
         self.join_wait_s = join_wait_s  # without joining: how long the join call takes (a real one waits for all ranks)
         self.abort_drain_s = abort_drain_s
         self.generate_delay_s = 0.0  # every /generate waits this long first (a large model's latency)
+        self.enable_return_routed_experts = False  # --enable-return-routed-experts (fake_sglang_routing.py)
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
         self.healthy = True  # False: /health 503 at once (starting or shutting down)
@@ -339,6 +344,9 @@ class FakeSGLangServer:
             parsed = types.GenerateRequest.from_json_value(body)
         except types.JsonContractError as exc:
             return self._reject(f"/generate: {exc}")
+        routed = body.get("return_routed_experts") is True  # io_struct.GenerateReqInput; the contract ignores it
+        if routed and (problem := start_len_problem(parsed.routed_experts_start_len, len(parsed.input_ids))):
+            return self._reject(problem)  # the scheduler's admission abort, a 400 (fake_sglang_routing.py)
         await self._unpaused.wait()
         if self.generate_delay_s:  # a large model's latency (the rehearsal's slow held-out evaluation)
             await asyncio.sleep(self.generate_delay_s)
@@ -370,7 +378,12 @@ class FakeSGLangServer:
                                                  end=len(answer.output_ids or []))]
             answer = msgspec.structs.replace(answer, meta_info=msgspec.structs.replace(
                 answer.meta_info, weight_version=spans[-1].version, weight_versions=spans, cached_tokens=cached))
-        return web.json_response(answer.to_json_value())
+        out = answer.to_json_value()
+        if routed and self.enable_return_routed_experts and out.get("meta_info") is not None:
+            out["meta_info"]["routed_experts"] = routed_experts_b64(self.engine.model, list(parsed.input_ids),
+                                                                    list(answer.output_ids or []),
+                                                                    parsed.routed_experts_start_len)
+        return web.json_response(out)
 
     async def _control(self, request: web.Request) -> web.Response:
         path = request.path
@@ -572,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
     args, _ = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fake_sglang %(message)s")
 
@@ -585,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                                   enable_memory_saver=args.enable_memory_saver)
         # not an SGLang flag: the environment sets the stand-in's latency per request (the rehearsal)
         server.generate_delay_s = float(os.environ.get("FAKE_SGLANG_GENERATE_DELAY_S", "0"))
+        server.enable_return_routed_experts = args.enable_return_routed_experts
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()
