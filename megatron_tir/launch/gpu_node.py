@@ -148,7 +148,7 @@ def gpu_script(spec: RunSpec, layout: NodeLayout, *, model_path: str, python: st
                      f"(--set model=/path/to/its/hf/dir for local weights)")
     plan = ServerPlan(model_path=model_path, host="127.0.0.1", first_port=SGLANG_PORT, count=layout.servers,
                       tp=layout.sglang_tp, mem_fraction_static=0.5 if layout.colocated else 0.85,
-                      colocated=layout.colocated, python=python)
+                      colocated=layout.colocated, python=python, routed_experts=spec.layout.routed_experts)
     env = f"CUDA_VISIBLE_DEVICES={','.join(layout.sglang_devices) or visible}"
     for name, argv in engine_kind(engine).servers(plan):
         agent += ["--service", f"{name}=env {env} " + shlex.join(argv)]

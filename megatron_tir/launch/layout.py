@@ -22,6 +22,7 @@ class TrainerLayout:
     tp: int
     pp: int
     sandbox_workers: int  # the recipe's local sandbox size (runs on this machine)
+    routed_experts: bool = False  # the rollouts ask for routed experts (routing_replay=rollout): the servers capture them
 
     def __post_init__(self) -> None:
         assert self.tp >= 1 and self.pp >= 1, (self.tp, self.pp)
@@ -32,7 +33,8 @@ def trainer_layout(*, recipe: str | None = None, run_dir: str | Path | None = No
     """The layout of a new run of ``recipe``, or of the run in ``run_dir`` (its resolved
     ``config.json``), with the user's ``--set`` overrides applied and validated."""
     cfg = train_config(recipe=recipe, run_dir=run_dir, overrides=overrides)
-    return TrainerLayout(model=cfg.model, tp=cfg.learner.tp, pp=cfg.learner.pp, sandbox_workers=cfg.sandbox.workers)
+    return TrainerLayout(model=cfg.model, tp=cfg.learner.tp, pp=cfg.learner.pp, sandbox_workers=cfg.sandbox.workers,
+                         routed_experts=cfg.rollout.routed_experts)
 
 
 def train_config(*, recipe: str | None = None, run_dir: str | Path | None = None, overrides: Sequence[str] = ()):

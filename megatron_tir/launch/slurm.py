@@ -248,15 +248,15 @@ def trainer_argv(cluster: Cluster, spec: RunSpec) -> tuple[str, str]:
     return "\n".join(before), " \\\n    ".join([torchrun + " -m " + train, *sets])
 
 
-def sglang_services(cluster: Cluster, model: str) -> list[str]:
+def sglang_services(cluster: Cluster, model: str, *, routed_experts: bool = False) -> list[str]:
     """``--service`` arguments (bash words) for this node's SGLang servers (the commands are the
-    engine kind's: ``EngineKind.servers``)."""
+    engine kind's: ``EngineKind.servers``); ``routed_experts``: the rollouts ask for them."""
     colocated = cluster.sglang.colocated
     mem = cluster.sglang.mem_fraction_static or (0.5 if colocated else 0.85)
     plan = ServerPlan(model_path=cluster.model_path(model), host="0.0.0.0", first_port=cluster.sglang.port,
                       count=cluster.servers_per_node, tp=cluster.sglang_tp, mem_fraction_static=mem,
                       colocated=colocated, python="python", extra_args=tuple(cluster.sglang.extra_args),
-                      ep=cluster.sglang.ep)
+                      ep=cluster.sglang.ep, routed_experts=routed_experts)
     return [f'--service "{name}={_dq(shlex.join(argv))}"' for name, argv in engine_kind(SERVER_KIND).servers(plan)]
 
 
@@ -281,7 +281,7 @@ def trainer_script(cluster: Cluster, spec: RunSpec) -> str:
     body = []
     if cluster.sglang.colocated:
         body.append("# SGLang colocated on this node's GPUs (memory released while the trainer trains)")
-        body.append("agent+=(" + " ".join(sglang_services(cluster, spec.layout.model)) + ")")
+        body.append("agent+=(" + " ".join(sglang_services(cluster, spec.layout.model, routed_experts=spec.layout.routed_experts)) + ")")
     if cluster.sandbox.nodes == 0:
         body += ["# the sandbox beside the trainer, on the first trainer node's CPUs",
                  'if [ "$SLURM_PROCID" = 0 ]; then agent+=(' + " ".join(sandbox_services(cluster, head=True)) + "); fi"]
@@ -294,7 +294,7 @@ def trainer_script(cluster: Cluster, spec: RunSpec) -> str:
 def sglang_script(cluster: Cluster, spec: RunSpec) -> str:
     return _script("sglang", cluster, [
         f"# {cluster.servers_per_node} server(s) of TP {cluster.sglang_tp} per node",
-        "agent+=(" + " ".join(sglang_services(cluster, spec.layout.model)) + ")",
+        "agent+=(" + " ".join(sglang_services(cluster, spec.layout.model, routed_experts=spec.layout.routed_experts)) + ")",
         'exec "${agent[@]}"'])
 
 

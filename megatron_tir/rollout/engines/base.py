@@ -190,6 +190,7 @@ class ServerPlan:
     python: str  # the interpreter that runs a server's module
     extra_args: tuple[str, ...] = ()
     ep: int = 1  # MoE: expert-parallel size inside each server (divides tp)
+    routed_experts: bool = False  # MoE: the servers capture each token's routed experts for the rollouts
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

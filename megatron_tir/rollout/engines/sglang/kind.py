@@ -79,6 +79,7 @@ def servers(plan: ServerPlan) -> list[tuple[str, list[str]]]:
     for i in range(plan.count):
         server = SGLangServerConfig(model_path=plan.model_path, host=plan.host, port=plan.first_port + i,
                                     tp_size=plan.tp, ep_size=plan.ep, base_gpu_id=i * plan.tp,
+                                    enable_return_routed_experts=plan.routed_experts,
                                     mem_fraction_static=plan.mem_fraction_static, colocated=plan.colocated,
                                     extra_args=tuple(plan.extra_args),
                                     launcher=(plan.python, "-m", "sglang.launch_server"))

@@ -55,3 +55,19 @@ def test_a_cluster_files_sglang_ep_reaches_the_servers():
     assert len(services) == 2 and all("--ep-size 4" in s for s in services)
     with pytest.raises(ValueError, match=r"ep must be >= 1 and divide tp \(4\), got 3"):
         cluster_from_dict(data | {"sglang": {"nodes": 1, "tp": 4, "ep": 3}}, where="c.yaml")
+
+
+def test_a_run_that_replays_the_rollouts_routing_launches_servers_that_capture_it():
+    import yaml
+
+    from megatron_tir.launch.cluster import cluster_from_dict
+    from megatron_tir.launch.layout import trainer_layout
+    from megatron_tir.launch.slurm import sglang_services
+
+    sglang = ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:9]"]
+    layout = trainer_layout(recipe="tiny-cpu", overrides=[*sglang, "trainer.ppo.routing_replay=rollout"])
+    assert layout.routed_experts and not trainer_layout(recipe="tiny-cpu", overrides=sglang).routed_experts
+    cluster = cluster_from_dict(yaml.safe_load((ROOT / "launch" / "examples" / "h100.yaml").read_text()), where="c")
+    on = sglang_services(cluster, "Qwen3-30B-A3B", routed_experts=layout.routed_experts)
+    assert on and all("--enable-return-routed-experts" in s for s in on)
+    assert not any("--enable-return-routed-experts" in s for s in sglang_services(cluster, "Qwen3-30B-A3B"))
