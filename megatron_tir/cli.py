@@ -28,8 +28,8 @@ EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
 
 # Modules with a register(subparsers) function, in the order `megatron-tir --help` lists them.
-SUBCOMMAND_MODULES = ("megatron_tir.eval.cli", "megatron_tir.train.cli", "megatron_tir.data.cli",
-                      "megatron_tir.observe.cli")
+SUBCOMMAND_MODULES = ("megatron_tir.eval.cli", "megatron_tir.train.cli", "megatron_tir.sft.cli",
+                      "megatron_tir.data.cli", "megatron_tir.observe.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

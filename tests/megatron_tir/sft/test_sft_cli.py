@@ -1,0 +1,108 @@
+"""``megatron-tir sft`` end to end on a tiny model: the loss falls, ``--resume`` continues exactly where an
+uninterrupted run is, the run directory is a model for ``train`` and ``eval``; bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+ROOT = Path(__file__).resolve().parents[3]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+MESSAGES = [
+    [{"role": "user", "content": "What is 12*13?"}, {"role": "assistant", "content": "```python\nprint(12*13)\n```"},
+     {"role": "tool", "content": "156"}, {"role": "assistant", "content": "The answer is \\boxed{156}."}],
+    [{"role": "user", "content": "What is 7+8?"}, {"role": "assistant", "content": "```python\nprint(7+8)\n```"},
+     {"role": "tool", "content": "15"}, {"role": "assistant", "content": "So \\boxed{15}."}],
+    [{"role": "user", "content": "What is 2**10?"}, {"role": "assistant", "content": "```python\nprint(2**10)\n```"},
+     {"role": "tool", "content": "1024"}, {"role": "assistant", "content": "\\boxed{1024}"}],
+]
+
+
+def cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "megatron_tir.cli", *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _records(path: Path) -> Path:
+    """Trajectory records with token ids (collect's format), rendered from MESSAGES."""
+    from transformers import AutoTokenizer
+
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.rollout.driver import RolloutConfig
+    from megatron_tir.sft.examples import render_messages
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
+    with open(path, "w") as f:
+        for i, msgs in enumerate(MESSAGES):
+            e = render_messages(msgs, tok, RolloutConfig(), where=str(i))
+            f.write(json.dumps({"prompt_ids": list(e.prompt_ids), "response_ids": list(e.response_ids),
+                                "loss_mask": list(e.loss_mask), "reward": 1.0, "status": "completed"}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_sft_then_resume_then_train_and_eval_from_the_run_dir(tmp_path):
+    data = _records(tmp_path / "good.jsonl")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ("--recipe", "tiny-cpu-sft", "--data", str(data), "--set", "rows_per_step=2")
+    ok(cli("sft", *common, "--set", "steps=4", "--out", str(straight)))
+    m = metrics(straight)
+    assert sorted(m) == [1, 2, 3, 4] and m[4]["train/loss"] < m[1]["train/loss"]
+    assert all(r["train/feedback_tokens"] > 0 and r["train/rows"] == 2 for r in m.values())
+    assert (straight / "plots" / "loss.png").is_file()
+
+    ok(cli("sft", *common, "--set", "steps=2", "--out", str(split)))
+    p = ok(cli("sft", "--resume", str(split), "--set", "steps=4"))
+    assert "fine-tuned to step 4" in p.stdout
+    assert {s: (r["train/loss"], r["train/grad_norm"]) for s, r in metrics(split).items()} == \
+        {s: (r["train/loss"], r["train/grad_norm"]) for s, r in m.items()}  # the same data order and weights
+    assert "nothing to do" in ok(cli("sft", "--resume", str(split))).stdout
+
+    rl = tmp_path / "rl"
+    ok(cli("train", "--recipe", "tiny-cpu", "--set", f"model={straight}", "--set", "trainer.steps=1",
+           "--set", "data.eval_size=0", "--out", str(rl)))
+    meta = json.loads((rl / "checkpoints" / "step_1" / "policy" / "tir_ckpt.json").read_text())
+    assert meta["source"] == str(straight) and meta["iteration"] == 1
+
+    out = tmp_path / "eval.jsonl"
+    ok(cli("eval", "--model", str(straight), "--data", "arithmetic", "--limit", "1", "--k", "1", "--max-turns", "1",
+           "--max-response-tokens", "8", "--out", str(out), "--no-progress"))
+    assert len(out.read_text().splitlines()) == 1
+
+
+def _one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode == 2, p.stderr[-2000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("megatron-tir: error:") and all(n in line for n in needles), line
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line(tmp_path):
+    _one_line_error(cli("sft", "--recipe", "tiny-cpu-sft", "--data", str(tmp_path / "none.jsonl"),
+                        "--out", str(tmp_path / "r0")), "none.jsonl", "no such file")
+    (tmp_path / "empty.jsonl").write_text("")
+    _one_line_error(cli("sft", "--recipe", "tiny-cpu-sft", "--data", str(tmp_path / "empty.jsonl"),
+                        "--out", str(tmp_path / "r1")), "empty.jsonl", "no trajectory")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": MESSAGES[0]}) + "\n" +
+                                        json.dumps({"prompt_ids": [1], "response_ids": [2, 3], "loss_mask": [1],
+                                                    "reward": 1.0}) + "\n")
+    _one_line_error(cli("sft", "--recipe", "tiny-cpu-sft", "--data", str(tmp_path / "bad.jsonl"),
+                        "--out", str(tmp_path / "r2")), "bad.jsonl:2", "loss_mask has 1 entries for 2")
+    _one_line_error(cli("sft", "--recipe", "tiny-cpu-sft", "--data", str(tmp_path / "bad.jsonl"),
+                        "--set", "rows_per_step=0", "--out", str(tmp_path / "r3")), "rows_per_step")
