@@ -17,9 +17,12 @@ stage's routers, and keeps the per-token record:
   the share of (token, layer) pairs whose own top-k set -- what the router computes from its current
   weights, replayed or not -- differs from the reference's: the "top-k changed" metric.
 
-Not covered: activation recomputation of the MoE layer with replay (the recomputed forward would
-need megatron-core's ``REPLAY_BACKWARD`` queue; ``replaying`` refuses it), token dropping
-(capacity factors), and the engine's own routing (SGLang's routed-experts output: ``rollout`` mode).
+Full activation recomputation: megatron-core runs a checkpointed layer's forward under ``no_grad``
+and again, with grad, in backward (``tensor_parallel.random.CheckpointFunction``); the recomputation
+replays the targets its forward used, first in first out per layer (what megatron-core's
+``REPLAY_BACKWARD`` queue does), and neither records nor counts. It needs every layer of the stage
+checkpointed (``recompute_method=uniform``, or ``block`` over all of them). Not covered: token
+dropping (capacity factors).
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ class RoutingTap:
         if not self.routers or any(r.router_replay is None for r in self.routers):
             raise ValueError("routing needs an MoE model built with moe_enable_routing_replay=True")
         self.k = spec.moe_router_topk
-        self.recompute = getattr(model.config, "recompute_granularity", None) == "full"
+        config = model.config
+        self.recompute = getattr(config, "recompute_granularity", None) == "full"
+        # every layer checkpointed: a layer's forward runs under no_grad, its recomputation with grad
+        self.recompute_all = self.recompute and (config.recompute_method == "uniform"
+                                                 or config.recompute_num_layers >= len(self.routers))
+        self._again: dict[int, list[torch.Tensor]] = {}  # per layer: targets its recomputation replays
         self.micro_batch = None  # set by the learner before each micro-batch's forward
         self.recorded: torch.Tensor | None = None
         self.changed_share: float | None = None
@@ -87,12 +95,14 @@ class RoutingTap:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
         self.micro_batch = None
+        self._again.clear()
 
     @contextlib.contextmanager
     def replaying(self, record: torch.Tensor) -> Iterator[None]:
         """Passes inside route each token of the batch to ``record``'s experts."""
-        if self.recompute:
-            raise ValueError("routing replay with full activation recomputation is not supported")
+        if self.recompute and not self.recompute_all:
+            raise ValueError("routing replay with full activation recomputation needs every layer recomputed "
+                             "(learner.recompute_method=uniform)")
         self._check(record)
         self._replay = record
         try:
@@ -129,6 +139,10 @@ class RoutingTap:
         def hook(router, args):
             if self.micro_batch is None or self._shape is None:
                 return None  # a forward outside the learner's passes: routed freely, not recorded
+            if self._recomputing(router):  # the forward's targets again, in its order (free routing recomputes itself)
+                if self._replay is not None:
+                    router.router_replay.target_topk_idx = self._again[layer].pop(0)
+                return None
             hidden = args[0]
             length = hidden.shape[0]
             logits = torch.nn.functional.linear(hidden.detach().reshape(-1, hidden.shape[-1]).float(),
@@ -143,12 +157,19 @@ class RoutingTap:
 
                 router.router_replay.target_topk_idx = target
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                if self.recompute:
+                    self._again.setdefault(layer, []).append(target)
             return None
         return hook
 
+    def _recomputing(self, router) -> bool:
+        """A checkpointed layer's recomputation in backward (megatron-core checkpoints in training only; the
+        forward ran under no_grad)."""
+        return self.recompute_all and router.training and torch.is_grad_enabled()
+
     def _after(self, layer: int):
         def hook(router, args, output):
-            if self.micro_batch is None or self._shape is None:
+            if self.micro_batch is None or self._shape is None or self._recomputing(router):
                 return None
             _, routing_map = output  # [L * b, experts] bool: the experts the tokens were sent to
             used = routing_map.detach().nonzero()[:, 1].view(-1, self.k).cpu()

@@ -15,6 +15,7 @@ from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.policy.routing import UpdateRouting, update_routing
 
 TINY = "tiny-qwen3-moe"
+RECOMPUTE_ALL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 MINI_B = torch.tensor([2, 0, 1, 0, 2, 1])  # mini-batch of each of the 6 rows (rows interleaved, as groups may be)
 
 
@@ -130,7 +131,15 @@ def _pp_run(rank: int, world: int, out: str) -> None:
                 ppo_loss, local_rows=True)
         used.append(learner.routing.recorded.clone())
     metrics = routing.finish()
-    torch.save({"layers": learner.routing.layer_numbers, "used": used, "metrics": metrics}, f"{out}.{stage}")
+    steps = []  # one replayed step of all rows (several micro-batches in flight under 1F1B), without and with
+    for memory in ({}, RECOMPUTE_ALL):  # recomputation: the recomputed layers replay their forward's targets
+        fresh = Learner(LearnerConfig(model=TINY, lr=5e-2, pp=2, max_tokens_per_microbatch=20, **memory))
+        replay = UpdateRouting(fresh.routing, "rollout")
+        replay.start(old_pass=False, rollout_BTX=rollout.flatten(2))
+        with replay.mini_batch(torch.ones(6, dtype=torch.bool)):
+            steps.append(fresh.train_step(mine, ppo_loss, local_rows=True).grad_norm)
+    torch.save({"layers": learner.routing.layer_numbers, "used": used, "metrics": metrics, "grad_norms": steps},
+               f"{out}.{stage}")
 
 
 @pytest.mark.slow
@@ -148,3 +157,42 @@ def test_under_pp_each_stage_replays_its_own_layer(tmp_path):
             real = batch.attention_mask_BT[MINI_B == k]
             assert torch.equal(got["used"][k][real][:, 0].long(), rollout[MINI_B == k][real][:, stage])
         assert 0 < got["metrics"]["routing/topk_changed_share"] < 1  # the same on both stages (summed over them)
+        plain, recomputed = got["grad_norms"]
+        assert recomputed == pytest.approx(plain, rel=1e-4)
+
+
+def test_full_recomputation_replays_the_forwards_routing(parallel_1x1):
+    """The same replayed update with every layer recomputed in backward: the forward routes to the record
+    and so does the recomputation (else its activations, and the gradient, would differ)."""
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+
+    batch = make_batch(7, rows=6)
+    g = torch.Generator().manual_seed(0)
+    record = torch.rand(6, 16, 2, 8, generator=g).argsort(dim=-1)[..., :2].to(torch.int16)  # not the router's
+    results = {}
+    for name, memory in (("plain", {}), ("recompute", RECOMPUTE_ALL)):
+        learner = Learner(LearnerConfig(model=TINY, lr=5e-2, max_tokens_per_microbatch=20, **memory))
+        with learner.routing.replaying(record.long()):
+            step = learner.train_step(batch, ppo_loss)
+        results[name] = (step, learner.routing.recorded.clone())
+    free = Learner(LearnerConfig(model=TINY, lr=5e-2, max_tokens_per_microbatch=20, **RECOMPUTE_ALL)).train_step(
+        batch, ppo_loss)
+    (plain, used_plain), (again, used_again) = results["plain"], results["recompute"]
+    real = batch.attention_mask_BT
+    assert torch.equal(used_again[real], record[real].long().sort(dim=-1).values.to(torch.int16))
+    assert torch.equal(used_plain, used_again)
+    assert again.loss == pytest.approx(plain.loss, rel=1e-5) and again.grad_norm == pytest.approx(plain.grad_norm,
+                                                                                                rel=1e-4)
+    assert free.grad_norm != pytest.approx(again.grad_norm, rel=1e-3)  # free routing trains another sub-network
+
+
+def test_replay_refuses_a_partly_recomputed_stage(parallel_1x1):
+    from megatron_tir.policy.learner import Learner
+    from megatron_tir.policy.learner_config import LearnerConfig
+
+    learner = Learner(LearnerConfig(model=TINY, recompute_granularity="full", recompute_method="block",
+                                    recompute_num_layers=1))  # one of the two layers
+    with pytest.raises(ValueError, match="needs every layer recomputed"):
+        with learner.routing.replaying(torch.zeros(6, 16, 2, 2, dtype=torch.int16)):
+            pass
