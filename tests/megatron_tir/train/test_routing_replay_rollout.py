@@ -93,6 +93,7 @@ def test_one_step_replays_the_servers_routing(tmp_path):
     finally:
         server.stop()
     (line,) = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    print(f"rollout replay: routing/topk_changed_share {line['routing/topk_changed_share']:.4f}")
     assert line["train/optimizer_steps"] == 2
     # the first mini-batch ran on the weights the server sampled with (learner = transformers' routing), the
     # second on moved routers: some of their own top-k differ from the replayed rollout's
