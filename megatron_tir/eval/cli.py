@@ -19,7 +19,7 @@ import math
 
 # flag dest -> (section, field); section "" is EvalConfig itself
 FLAG_FIELDS: dict[str, tuple[str, str]] = {
-    "data": ("", "data"), "limit": ("", "limit"), "out": ("", "out"),
+    "data": ("", "data"), "limit": ("", "limit"), "out": ("", "out"), "out_tokens": ("", "out_tokens"),
     "max_infra_failure_share": ("", "max_infra_failure_share"), "probe_timeout": ("", "probe_timeout_s"),
     "model": ("engine", "model"), "engine": ("engine", "kind"), "sglang_url": ("engine", "urls"),
     "batch_size": ("engine", "max_batch_size"),
@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="aime24 | aime25 | math500 | math_train | arithmetic | a verl parquet file (repeat for several)")
     p.add_argument("--limit", type=int, help="limit: evaluate the first M problems of each dataset")
     p.add_argument("--out", help="out: one JSON line per sample (text, turns, tool results, reward)")
+    p.add_argument("--out-tokens", action="store_true",
+                   help="out_tokens: the --out records carry token ids and loss mask (for megatron-tir sft)")
     p.add_argument("--k", type=int, help="rollout.n_samples: samples per problem (avg@k, pass@k; default 4)")
     p.add_argument("--max-turns", type=int, help="rollout.max_turns")
     p.add_argument("--max-response-tokens", type=int,

@@ -58,6 +58,7 @@ class EvalConfig:
     data: tuple[str, ...]
     limit: int | None = None  # the first M problems of each dataset (a generated task: M held-out problems)
     out: str | None = None  # per-sample JSONL
+    out_tokens: bool = False  # the per-sample records carry token ids and the loss mask (megatron-tir sft reads them)
     # More trajectories than this share ended by an engine abort or a sandbox failure: the
     # eval fails (exit 1) instead of reporting metrics.
     max_infra_failure_share: float = 0.05
@@ -81,6 +82,8 @@ class EvalConfig:
             raise ValueError(f"max_infra_failure_share must be in [0, 1], got {self.max_infra_failure_share}")
         if not self.probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        if self.out_tokens and self.out is None:
+            raise ValueError("out_tokens needs out (the per-sample file that carries them)")
         if self.out is not None and Path(self.out).is_dir():
             raise ValueError(f"out {self.out} is a directory; give a .jsonl file path")
 
@@ -168,7 +171,8 @@ def run_eval(cfg: EvalConfig, *, progress: bool = True) -> EvalResult:
             seen["reward"] += traj.reward or 0.0
             seen["void"] += traj.has_void_turn
             if sink is not None:
-                rec = trajectory_record(traj, tokenizer)  # the record format of training's rollout dumps
+                # the record format of training's rollout dumps
+                rec = trajectory_record(traj, tokenizer, include_ids=cfg.out_tokens)
                 rec["split"] = "eval"
                 rec["question"] = problems[traj.group_id].messages[-1]["content"]  # group ids: problem indices
                 sink.write(json.dumps(rec, ensure_ascii=False) + "\n")

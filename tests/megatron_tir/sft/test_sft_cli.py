@@ -82,8 +82,18 @@ def test_sft_then_resume_then_train_and_eval_from_the_run_dir(tmp_path):
 
     out = tmp_path / "eval.jsonl"
     ok(cli("eval", "--model", str(straight), "--data", "arithmetic", "--limit", "1", "--k", "1", "--max-turns", "1",
-           "--max-response-tokens", "8", "--out", str(out), "--no-progress"))
-    assert len(out.read_text().splitlines()) == 1
+           "--max-response-tokens", "8", "--out", str(out), "--out-tokens", "--no-progress"))
+    (record,) = map(json.loads, out.read_text().splitlines())
+    # eval --out-tokens records are sft data as they are (this one is not correct: only_correct=False reads it)
+    from transformers import AutoTokenizer
+
+    from megatron_tir.model_sources import resolve_model
+    from megatron_tir.rollout.driver import RolloutConfig
+    from megatron_tir.sft.examples import load_examples
+
+    (example,) = load_examples([out], AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2")), RolloutConfig(),
+                               only_correct=False)
+    assert list(example.response_ids) == record["response_ids"] and list(example.loss_mask) == record["loss_mask"]
 
 
 def _one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
