@@ -7,7 +7,8 @@ One strategy per ``trainer.async`` mode, chosen once:
 
 * :class:`Rounds` (``off``, ``one_step``): a step's rounds of dynamic sampling
   (:func:`~megatron_tir.train.sampling.collect_groups`) run on the service's event loop as one future;
-  with ``one_step`` the rollout source submits step + 1's as soon as step's are taken;
+  with ``one_step`` it runs ahead: step + 1's start as soon as step's are taken (:meth:`Producer.take`)
+  and finish generating before the step's weight sync (:meth:`Producer.drain_ahead`);
 * :class:`Continuous` (``full``): a :class:`~megatron_tir.train.group_producer.GroupProducer`
   generates groups without a break under the staleness bound and each step takes its batch; the
   prompt position a checkpoint records is then the first one not consumed, with the consumed
@@ -24,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from megatron_tir.eval.held_out import run_held_out
 from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
 from megatron_tir.rollout.batch import RowFate, collate, flatten, weight_version_metrics
@@ -57,6 +59,7 @@ class Rounds:
 
     def __init__(self, producer: Producer) -> None:
         self.p = producer
+        self.ahead = producer.cfg.trainer.asynchrony.mode == "one_step"  # step + 1's rounds start at step's take
 
     def submit(self, step: int) -> concurrent.futures.Future:
         p, tc = self.p, self.p.cfg.trainer
@@ -94,6 +97,8 @@ class Rounds:
 
 class Continuous:
     """``full``: one group producer, started at the first step, generating without a break."""
+
+    ahead = False  # it never stops: nothing to start ahead
 
     def __init__(self, producer: Producer) -> None:
         self.p = producer
@@ -178,6 +183,44 @@ class Producer:
         if step in self._pending and self._pending[step][1] is not None:
             release_idle_threads()
             concurrent.futures.wait([self._pending[step][1]])
+
+    def take(self, step: int) -> Produced:
+        """Step ``step``'s rollouts (started now unless they already run: :meth:`produce`); where the strategy
+        runs ahead (``one_step``) step + 1's start as soon as these are taken: they run while this step
+        trains, with the weights it trains from (one version stale)."""
+        if not self.submitted(step):
+            self.submit(step)
+        produced = self.produce(step)
+        if self._ahead(step):
+            self.submit(step + 1)
+        return produced
+
+    def drain_ahead(self, step: int) -> float | None:
+        """Before step ``step``'s weight sync: the seconds spent waiting for the rollouts started ahead of it
+        to finish generating (each group comes from one weight version); None when none run ahead."""
+        if not self._ahead(step):
+            return None
+        t0 = time.perf_counter()
+        self.drain(step + 1)
+        return time.perf_counter() - t0
+
+    def _ahead(self, step: int) -> bool:
+        return self.strategy.ahead and step < self.cfg.trainer.steps
+
+    def release_engine(self) -> None:
+        """Before an update: the engine frees its memory where it shares the trainer's devices, unless
+        rollouts are in flight or run ahead (they need it)."""
+        if self.idle:
+            self.service.offload()
+
+    def evaluate(self, problems, observe=None) -> dict[str, float]:
+        """Held-out reward and TIR behaviour with the current weights (:func:`megatron_tir.eval.held_out.run_held_out`;
+        ``full`` holds its admission meanwhile); ``observe(groups, metrics)`` sees the groups and their metrics."""
+        groups, seconds = run_held_out(self.service, self.cfg, self.rollout_cfg, problems, hold=self.strategy.hold)
+        metrics = rollout_metrics(groups, prefix="eval") | {"time/eval": seconds}
+        if observe is not None:
+            observe(groups, metrics)
+        return metrics
 
     def produce(self, step: int) -> Produced:
         """Step ``step``'s groups, metrics, hand-off header and each replica's trained rows."""

@@ -1,12 +1,11 @@
 """The rollout source: rank 0 produces a step's rollouts, every rank consumes the rows it trains.
 
-    source.submit(step)          # rank 0: the step's rollouts start on the event-loop thread
-    got = source.next(step)      # every rank: this rank's share of the trained rows (or none)
+    got = source.take(step)      # every rank: this rank's share of the trained rows (or none)
 
-Every rank calls both; which rank produces is hidden here. On rank 0 the
+Every rank calls it; which rank produces is hidden here. On rank 0 the
 :class:`~megatron_tir.train.rollouts.RolloutService` (engine, sandbox, verifier) runs the
 rollouts on its own event-loop thread, so the main thread is free while they run (asynchronous
-training builds on ``submit`` / ``next``). ``next`` then, on rank 0: dynamic sampling's group
+training builds on that; ``submit`` starts a step early). ``take`` then, on rank 0: dynamic sampling's group
 filter (per-row summaries, no ``[B, T]`` tensors), the row roles and advantages over every
 counted row (:func:`~megatron_tir.train.batch.plan_update`), the rows no mode trains removed,
 each data-parallel replica's share dealt (:func:`~megatron_tir.train.batch.deal_rows`), and the
@@ -28,17 +27,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
-from megatron_tir.eval.held_out import run_held_out
 from megatron_tir.rl import needs_values
 from megatron_tir.rollout.factory import InfrastructureError, build_weight_sync
 from megatron_tir.rollout.batch import Group, RowFate, collate
 from megatron_tir.train.batch import TrainRows, plan_update
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.handoff import HandOff, one_line
-from megatron_tir.train.metrics import rollout_metrics
 from megatron_tir.train.producer import Producer
 
 log = logging.getLogger(__name__)
@@ -143,53 +139,20 @@ class RolloutSource:
         return self._handoff.received_bytes
 
     def submit(self, step: int) -> None:
-        """Start step ``step``'s rollouts (rank 0, on the event-loop thread; elsewhere nothing)."""
+        """Start step ``step``'s rollouts early (rank 0, on the event-loop thread; elsewhere nothing)."""
         if self.rank == 0:
             self.producer.submit(step)
 
     def take(self, step: int) -> StepRollouts:
-        """This rank's share of step ``step``'s trained rows: its rollouts start now unless they already
-        run; with ``trainer.async=one_step`` step + 1's start as soon as these are taken (they run while
-        this step trains, with the weights it trains from: one version stale; :meth:`drain_ahead`)."""
-        if not self.submitted(step):
-            self.submit(step)
-        got = self.next(step)
-        if self._ahead(step):
-            self.submit(step + 1)
-        return got
-
-    def drain_ahead(self, step: int) -> float | None:
-        """Before step ``step``'s weight sync: the seconds spent waiting for the rollouts started ahead of
-        it to finish generating (each group comes from one weight version); None when none run ahead."""
-        if not self._ahead(step):
-            return None
-        t0 = time.perf_counter()
-        self.drain(step + 1)
-        return time.perf_counter() - t0
-
-    def _ahead(self, step: int) -> bool:
-        return self.cfg.trainer.asynchrony.mode == "one_step" and step < self.cfg.trainer.steps
-
-    def submitted(self, step: int) -> bool:
-        """Whether ``step``'s rollouts were submitted and not yet consumed (rank 0; True elsewhere: nothing to start)."""
-        return self.rank != 0 or self.producer.submitted(step)
-
-    def drain(self, step: int) -> None:
-        """Rank 0: wait until ``step``'s rollouts have finished generating (elsewhere nothing), so a
-        weight sync after it never lands in the middle of them: each of their groups comes from one
-        weight version (``trainer.async=one_step``). A failure is left to ``next(step)``, which tells
-        every rank."""
-        if self.rank == 0:
-            self.producer.drain(step)
-
-    def next(self, step: int) -> StepRollouts:
-        """This rank's share of step ``step``'s trained rows (blocks until rank 0 has them)."""
+        """This rank's share of step ``step``'s trained rows (blocks until rank 0 has them): rank 0's
+        producer takes them (:meth:`~megatron_tir.train.producer.Producer.take`: started now unless they
+        already run; ``one_step`` starts step + 1's) and the hand-off deals them."""
         key = f"step/{step}"
         if self.rank != 0:
             header, rows = self._handoff.receive(key, what=f"step {step}'s rollouts")
             return self._result(header, rows, {}, [], {})
         try:
-            produced = self.producer.produce(step)
+            produced = self.producer.take(step)
         except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
             self._handoff.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {one_line(exc)}"})
             raise
@@ -212,17 +175,15 @@ class RolloutSource:
         """Rank 0's engine tokenizer (None elsewhere)."""
         return None if self.service is None else self.service.tokenizer
 
+    def drain_ahead(self, step: int) -> float | None:
+        """Rank 0, before step ``step``'s weight sync: the seconds its rollouts started ahead took to finish
+        generating (:meth:`~megatron_tir.train.producer.Producer.drain_ahead`); None elsewhere or when none ran."""
+        return None if self.producer is None else self.producer.drain_ahead(step)
+
     def evaluate(self, problems, observe=None) -> dict[str, float]:
-        """Held-out reward and TIR behaviour with the current weights (rank 0; {} elsewhere: every rank
-        calls it inside a ``rank0_phase``); ``observe(groups, metrics)`` sees the groups and their metrics."""
-        if self.rank != 0 or not problems:
-            return {}
-        groups, seconds = run_held_out(self.service, self.cfg, self.producer.rollout_cfg, problems,
-                                       hold=self.producer.strategy.hold)
-        metrics = rollout_metrics(groups, prefix="eval") | {"time/eval": seconds}
-        if observe is not None:
-            observe(groups, metrics)
-        return metrics
+        """Rank 0's held-out evaluation (:meth:`~megatron_tir.train.producer.Producer.evaluate`); {} elsewhere
+        (every rank calls it inside a ``rank0_phase``) or without problems."""
+        return {} if self.producer is None or not problems else self.producer.evaluate(problems, observe)
 
     def rank0_phase(self, key: str, fn, *, what: str) -> dict:
         """``fn()`` on rank 0 while every other rank waits for it through the hand-off (never inside a
@@ -240,10 +201,8 @@ class RolloutSource:
         devices (colocated SGLang; the local engine's no-op release), taken back by ``sync_weights``;
         the other ranks wait for it through the hand-off. Skipped while a later step's rollouts are in
         flight: they need the engine."""
-        def release() -> None:
-            if self.producer.idle:
-                self.service.offload()
-        self.rank0_phase(f"offload/{step}", release, what=f"rank 0 to free the engine's memory (step {step})")
+        self.rank0_phase(f"offload/{step}", self.producer.release_engine if self.producer else lambda: None,
+                         what=f"rank 0 to free the engine's memory (step {step})")
         self.forget(f"offload/{step - 2}")
 
     def sync_weights(self, learner) -> None:

@@ -86,7 +86,7 @@ def slow_rollout_rank(rank: int, world: int, delay_s: float, out: str) -> None:
                        alive_timeout_s=30.0) as source:
         t0 = time.monotonic()
         source.submit(1)
-        got = source.next(1)
+        got = source.take(1)
         waited = time.monotonic() - t0
         ok = torch.ones(1)
         torch.distributed.all_reduce(ok)  # the default group is healthy after the long wait
@@ -115,7 +115,7 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
     initial = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
         source.submit(1)
-        got = source.next(1)
+        got = source.take(1)
         metrics = build_algorithm(cfg, learner, critic=critic).update(1, got, {}).metrics
         from megatron.core import parallel_state
 
@@ -280,7 +280,7 @@ def main() -> None:
     with RolloutSource(source_config(), service_factory=lambda: CraftedService(delay, marker), pad_id=0, poll_s=0.5,
                        alive_timeout_s=20.0) as source:
         source.submit(1)
-        source.next(1)
+        source.take(1)
 
 
 if __name__ == "__main__":
