@@ -122,7 +122,7 @@ class Trajectory:
     reward_failed: bool = False  # the answer check failed (time-out, crashed worker, error): Verdict.failed
     engine_requests: int = 0
     timings: Timings = field(default_factory=Timings)
-    # rollout.routed_experts: the engine's MoE routing, [n, layers x k] int32 expert ids of positions 0 .. n - 1
+    # rollout.routed_experts: the engine's MoE routing, [n, layers x k] int16 expert ids of positions 0 .. n - 1
     # of prompt_ids + response_ids (megatron_tir.rollout.routing_trace); None otherwise
     routed_experts: Any = None
 

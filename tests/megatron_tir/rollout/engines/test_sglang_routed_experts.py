@@ -115,7 +115,7 @@ def test_a_trace_drops_the_routing_of_discarded_tokens():
     trace = RoutingTrace()
     trace.add(torch.arange(12, dtype=torch.int32).view(6, 2), start=0)
     trace.truncate(4)  # the driver cut the turn's overshoot: the sequence has 4 tokens left
-    assert trace.covered == 4 and torch.equal(trace.rows(), torch.arange(8, dtype=torch.int32).view(4, 2))
+    assert trace.covered == 4 and torch.equal(trace.rows(), torch.arange(8, dtype=torch.int16).view(4, 2))
     trace.add(None, start=4)  # an aborted request: nothing
     with pytest.raises(ValueError, match="does not continue the trace at 4"):
         trace.add(torch.zeros(2, 2, dtype=torch.int32), start=5)
