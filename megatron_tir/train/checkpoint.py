@@ -7,7 +7,7 @@ in ``megatron_tir.policy.checkpoint.layout``)::
                              model + optimizer + scheduler; every rank writes its part), the layout
                              ``tir-ckpt`` reads; later learners (``critic``) sit beside it by name
     step_N/trainer_state.json  step, data position, metrics pointer, override history, the grad-norm
-                             statistics' window, resolved config
+                             statistics' window, the engine's weight version, resolved config
     step_N/rng_rank{R}.pt    python / torch RNG states of rank R
     step_N/manifest.json     size and CRC-32 of every file above (``megatron_tir.policy.checkpoint.manifest``)
     latest                   a text file naming the newest complete step directory
@@ -59,6 +59,7 @@ class TrainerState:
     overrides: list[dict] = field(default_factory=list)  # {"step", "key", "value"}: when each took effect
     schedule_switched_at: int | None = None  # step the turn schedule switched the budgets
     grad_norm_history: list[float] = field(default_factory=list)  # the grad-norm spike detector's window (rank 0)
+    weight_version: int = 0  # the engine's weight version (rank 0's): a resume continues the numbering
     config: dict = field(default_factory=dict)  # the resolved TrainConfig
 
     def to_json(self) -> dict:

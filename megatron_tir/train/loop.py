@@ -103,6 +103,8 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, algorithm: Po
         if stopping or time_due or step == tc.steps or (tc.checkpoint.every and step % tc.checkpoint.every == 0):
             t0 = time.perf_counter()
             state.metrics_offset, state.grad_norm_history = sink.offset, observer.spikes.history
+            if source.service is not None:  # rank 0: the engine's weight version (a resume continues it)
+                state.weight_version = source.service.weight_version
             ckpts.save(algorithm.learners, state)
             pending_ckpt_s, last_save = time.perf_counter() - t0, time.monotonic()
         if stopping:

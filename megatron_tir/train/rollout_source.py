@@ -205,9 +205,10 @@ class RolloutSource:
                          what=f"rank 0 to free the engine's memory (step {step})")
         self.forget(f"offload/{step - 2}")
 
-    def sync_weights(self, learner) -> None:
+    def sync_weights(self, learner, *, version: int | None = None) -> None:
         """The learner's weights into the engine (collective: every rank calls it), through the engine
-        kind's weight sync (``megatron_tir.rollout.sync``)."""
+        kind's weight sync (``megatron_tir.rollout.sync``); ``version``: the weight version the engine gets
+        (a resumed run continues its numbering), default one more than its own."""
         if self.weights.wait_for_rank0:
             # the other ranks wait for rank 0 (which may first drain a step of rollouts: minutes) by
             # polling the store as long as rank 0 lives, not inside the sync's collectives (a group's timeout)
@@ -219,7 +220,10 @@ class RolloutSource:
             else:
                 self._handoff.receive(key, what="rank 0 to start the weight sync")
         with self._engine_paused():
-            self.weights.update(learner)
+            if version is None:
+                self.weights.update(learner)
+            else:
+                self.weights.update(learner, version=version)
         if self.producer is not None:  # full: the new version may admit more groups
             self.producer.poke()
 

@@ -97,13 +97,15 @@ class RolloutService:
         """The engine's weight version now (one more after every sync)."""
         return self.engine.weight_version
 
-    def sync_from(self, source) -> int:
+    def sync_from(self, source, *, version: int | None = None) -> int:
         """Rank 0's side of a :class:`~megatron_tir.rollout.sync.base.Rank0WeightSync`: ``source``'s
         (a :class:`~megatron_tir.policy.weight_source.WeightSource`) current weights into the engine,
         on the service's event loop; returns its new weight version (collective: the other ranks
         drain ``source.named_hf_buckets()`` at the same time)."""
         if self.weight_sync is None:
             raise RuntimeError("this engine is synced from every rank (RolloutSource.sync_weights)")
+        if version is not None:  # a resumed run continues its numbering (EngineWeightSync.next_version)
+            self.weight_sync.next_version = version
         with self.activity.paused():
             return self.runner.run(self.weight_sync.update(source.named_hf_buckets()))
 

@@ -43,7 +43,7 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             state.step, state.data_position = loaded.step, loaded.data_position
             state.data_consumed_ahead = list(loaded.data_consumed_ahead)
             state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
-            state.grad_norm_history = list(loaded.grad_norm_history)
+            state.grad_norm_history, state.weight_version = list(loaded.grad_norm_history), loaded.weight_version
             log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
 
         def start_service() -> RolloutService:  # rank 0 only
@@ -59,8 +59,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
         with RolloutSource(cfg, service_factory=start_service, position=state.data_position,
                            schedule_switched_at=state.schedule_switched_at,
                            consumed_ahead=state.data_consumed_ahead) as source:
-            if resume:  # the engines start from the base weights: give them the policy's
-                source.sync_weights(learner)
+            if resume:  # the engines start from the base weights: give them the policy's, at the saved version
+                source.sync_weights(learner, version=state.weight_version or None)
             with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
                 return train(cfg, run_dir, state, algorithm=algorithm, source=source, stop=stop)
     finally:

@@ -247,11 +247,13 @@ class LocalEngine:
         self._wake.set()
         return await request.future
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                             version: int | None = None) -> None:
         """Copy HF-named tensors into the model in place, between two steps.
 
         All names and shapes are checked before anything is copied; unknown names, wrong
-        shapes and non-floating tensors raise ValueError and leave the model unchanged.
+        shapes and non-floating tensors raise ValueError and leave the model unchanged. The weight
+        version goes up by one, or becomes ``version`` (a resumed run's numbering).
         """
         updates = self._validate_updates(named_tensors)
         if "weights" in self.released_memory:
@@ -260,7 +262,7 @@ class LocalEngine:
         self._ensure_started()
         async with self._step_lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._copy_weights, updates)
-            self._weight_version += 1
+            self._weight_version = self._weight_version + 1 if version is None else version
         log.info("updated %d tensors (weight version %d)", len(updates), self._weight_version)
 
     async def pause(self, *, mode: PauseMode | str = DEFAULT_PAUSE_MODE) -> None:

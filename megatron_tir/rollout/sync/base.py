@@ -16,7 +16,9 @@ generation and releases the engine's memory (``weights``, ``kv_cache``, ``cuda_g
 the next ``update`` then takes the weights back, loads, takes back the KV cache and CUDA
 graphs and resumes -- SGLang 0.5.23's order (see :func:`megatron_tir.rollout.sync.sglang`). After a sync the engine's ``weight_version`` is one more than
 before (every generated token records the version that sampled it; see
-``Generation.versions``).
+``Generation.versions``), or, for a resumed run's first sync, the version its checkpoint saved.
+A sync that fails raises the run's one-line stop (``InfrastructureError``) with the servers' own
+error text; every call of it is bounded (``megatron_tir.rollout.sync.sglang``).
 
 Buckets are ``(stage, [(HF name, full tensor), ...])``: the pipeline stage the tensors
 come from (``Learner.named_hf_buckets`` relays every stage's to rank 0;
@@ -46,9 +48,10 @@ class WeightSync(Protocol):
     # timeout: rank 0 may drain a step of rollouts before it syncs)
     wait_for_rank0: bool
 
-    def update(self, source: WeightSource) -> int | None:
+    def update(self, source: WeightSource, *, version: int | None = None) -> int | None:
         """Load ``source``'s current weights into the engine; the engine's new weight version on
-        the rank holding it (None or the same elsewhere)."""
+        the rank holding it (None or the same elsewhere). ``version``: the version the engine gets
+        (a resumed run continues its numbering); None: one more than the engine's."""
         ...
 
     def close(self) -> None: ...
@@ -64,14 +67,26 @@ class Rank0WeightSync:
     def __init__(self, load: Callable[[WeightSource], int] | None) -> None:
         self.load = load  # rank 0 only
 
-    def update(self, source: WeightSource) -> int | None:
+    def update(self, source: WeightSource, *, version: int | None = None) -> int | None:
         if self.load is None:
             drain(source.named_hf_buckets())
             return None
-        return self.load(source)
+        try:
+            return self.load(source) if version is None else self.load(source, version=version)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise sync_failed(exc) from exc
 
     def close(self) -> None:
         return None  # the engine sync is closed with the service that started it
+
+
+def sync_failed(exc: BaseException) -> Exception:
+    """A failed weight sync as the run's one-line stop (``InfrastructureError``, the servers' own error text)."""
+    from megatron_tir.rollout.factory import InfrastructureError  # (factory imports this module)
+
+    if isinstance(exc, InfrastructureError):
+        return exc
+    return InfrastructureError(f"weight sync failed: {' '.join(str(exc).split()) or type(exc).__name__}")
 
 
 def through_rank0(cfg, service, pause_mode) -> Rank0WeightSync:
@@ -79,11 +94,15 @@ def through_rank0(cfg, service, pause_mode) -> Rank0WeightSync:
     (``sync_from``, looked up at each sync) loads, the other ranks (``service`` None) drain."""
     if service is None:
         return Rank0WeightSync(None)
-    return Rank0WeightSync(lambda source: service.sync_from(source))
+    return Rank0WeightSync(lambda source, **kw: service.sync_from(source, **kw))
 
 
 class EngineWeightSync(Protocol):
-    """One engine's weight transport on the rank holding it; coroutines on the engine's event loop."""
+    """One engine's weight transport on the rank holding it; coroutines on the engine's event loop.
+    ``next_version`` (None: one more than the engine's) is the version the next ``update`` gives the
+    engine, set once by a resumed run so the numbering continues; ``update`` clears it."""
+
+    next_version: int | None
 
     async def start(self) -> None:
         """Connect (join a process group, read the servers' weight version); once, before ``update``."""

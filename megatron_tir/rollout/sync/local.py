@@ -29,6 +29,7 @@ class LocalWeightSync:
     def __init__(self, engine: LocalEngine, *, pause_mode: PauseMode | str = PauseMode.ABORT) -> None:
         self.engine = engine
         self.pause_mode = as_pause_mode(pause_mode)
+        self.next_version: int | None = None  # a resumed run's version for the next update (EngineWeightSync)
 
     async def start(self) -> None:
         return None
@@ -46,7 +47,8 @@ class LocalWeightSync:
         try:
             if WEIGHTS_TAG in released:
                 await engine.resume_memory_occupation([WEIGHTS_TAG])
-            await engine.update_weights(named)
+            await engine.update_weights(named, version=self.next_version)
+            self.next_version = None
         finally:
             await engine.resume_memory_occupation()  # the rest (kv_cache, cuda_graph)
             await engine.resume()

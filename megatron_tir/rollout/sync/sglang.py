@@ -89,7 +89,7 @@ class DistributedWeightSyncConfig:
     master_port: int
     group_name: str = "megatron_tir_weights"
     backend: str = "nccl"  # gloo works on CPU (tests)
-    timeout_s: float = 600.0  # joining the group; one broadcast
+    timeout_s: float = 600.0  # joining the group; one bucket (its broadcast and every server's answer)
     # before a sync: how long a server that does not answer is waited for while others do (then the sync goes
     # on without it); None: the engine's SGLangEngineConfig.rejoin_timeout_s
     rejoin_timeout_s: float | None = None
@@ -162,15 +162,24 @@ def join_process_group(*, master_address: str, master_port: int, world_size: int
     return pg
 
 
-async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
+AFTER_FAILURE_S = 30.0  # each call that ends a failed sync (end session, resume): bounded, best effort
+
+
+async def _run_sync(engine: SGLangEngine, mode: PauseMode, load, version: int | None = None) -> int:
     """pause -> begin -> ``await load(version)`` -> end -> flush -> resume; the session ends and
     generation resumes on failure too. Returns the new version.
 
     After ``offload`` (the engine is paused, its memory released): resume the weights
     first, and the KV cache and CUDA graphs after the flush, before resuming generation.
+
+    On failure the error raised is the first one (a server's own answer, typically), not one of the
+    calls that end the session after it: those are best effort, each bounded by ``AFTER_FAILURE_S``
+    (a server stuck in its receive answers nothing else either) and logged when they fail.
+    ``version``: the one the servers adopt (a resumed run's); None: one more than the engine's.
     """
-    version = engine.weight_version + 1
+    version = engine.weight_version + 1 if version is None else version
     released = engine.released_memory
+    error: BaseException | None = None
     try:
         if not released:
             await engine.pause(mode=mode)
@@ -179,17 +188,35 @@ async def _run_sync(engine: SGLangEngine, mode: PauseMode, load) -> int:
         await engine.begin_weight_update()
         try:
             await load(str(version))
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            await engine.end_weight_update()
+            await _then(engine.end_weight_update(), error)
         await engine.flush_cache()
+    except BaseException as exc:
+        error = error or exc
+        raise
     finally:
         try:
-            await engine.resume_memory_occupation()  # the rest (kv_cache, cuda_graph); no call when none
+            await _then(engine.resume_memory_occupation(), error)  # the rest (kv_cache, cuda_graph); none: no call
         finally:
-            await engine.resume()
+            await _then(engine.resume(), error)
     if engine.weight_version != version:  # every server adopted it (the client records it on success)
         raise RuntimeError(f"weight sync: the servers report version {engine.weight_version}, not {version}")
     return version
+
+
+async def _then(call: Coroutine[Any, Any, Any], error: BaseException | None) -> None:
+    """``await call``; after a failure (``error``) best effort: bounded, its own failure logged."""
+    if error is None:
+        await call
+        return
+    try:
+        await asyncio.wait_for(call, AFTER_FAILURE_S)
+    except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+        log.warning("weight sync failed (%s); ending the session: %s", type(error).__name__,
+                    f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 def call_blocking(engine: SGLangEngine, coro: Coroutine[Any, Any, T]) -> T:
@@ -214,8 +241,8 @@ def call_blocking(engine: SGLangEngine, coro: Coroutine[Any, Any, T]) -> T:
     return loop.run_until_complete(coro)
 
 
-def _daemon_call(fn) -> concurrent.futures.Future:
-    """Run ``fn`` in a daemon thread (a group join that never completes must not block exit)."""
+def _daemon_call(fn, name: str = "weight-sync-group") -> concurrent.futures.Future:
+    """Run ``fn`` in a daemon thread (a group join or a broadcast that never completes must not block exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def target() -> None:
@@ -230,8 +257,42 @@ def _daemon_call(fn) -> concurrent.futures.Future:
         if not future.cancelled():
             future.set_result(result)
 
-    threading.Thread(target=target, name="weight-sync-group", daemon=True).start()
+    threading.Thread(target=target, name=name, daemon=True).start()
     return future
+
+
+ANSWER_GRACE_S = 5.0  # after a broadcast failed: how long the servers' own answer (why) is waited for
+
+
+async def bucket_done(announce: asyncio.Future, sent: asyncio.Future, *, timeout_s: float, what: str) -> None:
+    """A bucket is loaded when every server answered its announcement (``announce``) and this rank's
+    broadcast of it ended (``sent``). The first failure raises at once: a server that refused the bucket
+    never receives it, so the broadcast would wait out the group's timeout -- the error is the server's
+    own answer. A broadcast that failed first waits ``ANSWER_GRACE_S`` for the servers' answer (their
+    reason, when they give one). Neither within ``timeout_s``: SGLangError saying which side is missing.
+    An abandoned broadcast thread ends at its group's timeout (the caller drops the group)."""
+    from megatron_tir.rollout.engines.sglang.wire import SGLangError
+
+    sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned one: nobody awaits it
+    try:
+        done, _ = await asyncio.wait({announce, sent}, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        if announce in done and announce.exception() is not None:
+            raise announce.exception()
+        if sent in done and sent.exception() is not None:
+            answered, _ = await asyncio.wait({announce}, timeout=ANSWER_GRACE_S)
+            why = f"{type(sent.exception()).__name__}: {sent.exception()}"
+            if answered and announce.exception() is not None:
+                raise SGLangError(f"{announce.exception()} (the broadcast of {what}: {why})")
+            raise SGLangError(f"the broadcast of {what} failed: {why}")
+        if announce not in done:
+            raise SGLangError(f"no answer to {what} from the servers within {timeout_s:g} s "
+                              f"(a server stuck in its receive; timeout_s)")
+        if sent not in done:
+            raise SGLangError(f"the broadcast of {what} did not end within {timeout_s:g} s (timeout_s)")
+    finally:
+        if not announce.done():
+            announce.cancel()
+            await asyncio.gather(announce, return_exceptions=True)
 
 
 class DistributedWeightSync:
@@ -249,6 +310,8 @@ class DistributedWeightSync:
         self.group_name = config.group_name
         self.rebuilds = 0  # groups rebuilt for servers that restarted or were left out
         self.members: tuple[str, ...] = ()  # the servers in the group (URLs)
+        self.broken = False  # a bucket failed with its broadcast in flight: the group is rebuilt, never reused
+        self.next_version: int | None = None  # a resumed run's version for the next update (EngineWeightSync)
 
     async def start(self) -> None:
         """Check the servers and read their weight version, then build the group; fails at once
@@ -292,14 +355,15 @@ class DistributedWeightSync:
         behind = await self.engine.wait_servers_back(self.config.rejoin_timeout_s)
         targets = self.engine.sync_targets
         members = tuple(s.url for s in targets)
-        if not behind and members == self.members and not any(s.stale for s in targets):
+        if not behind and members == self.members and not any(s.stale for s in targets) and not self.broken:
             return False
-        log.warning("rebuilding weight-update group %s for %s (restarted: %s)", self.group_name, ", ".join(members),
-                    ", ".join(s.url for s in targets if s.stale) or "none")
+        log.warning("rebuilding weight-update group %s for %s (restarted: %s%s)", self.group_name,
+                    ", ".join(members), ", ".join(s.url for s in targets if s.stale) or "none",
+                    "; the last sync failed" if self.broken else "")
         await self.engine.destroy_weights_update_group(self.group_name, best_effort=True)
-        if self.group is not None:
+        if self.group is not None and not self.broken:  # (a broken one is dropped: a thread may be inside it)
             dist.destroy_process_group(self.group)
-            self.group = None
+        self.group, self.broken = None, False
         from megatron_tir.ports import free_port
 
         self.rebuilds += 1
@@ -317,10 +381,9 @@ class DistributedWeightSync:
         if self.group is None and not self.rebuilds:
             raise RuntimeError("DistributedWeightSync.start() was not called")
         await self.rejoin()
-        loop = asyncio.get_running_loop()
 
         async def load(weight_version: str) -> None:
-            for bucket in buckets:
+            for index, bucket in enumerate(buckets):
                 bucket = check_bucket(bucket)
                 announce = asyncio.ensure_future(self.engine.update_weights_from_distributed(
                     names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
@@ -329,16 +392,19 @@ class DistributedWeightSync:
                 payload = ([flatten(bucket)] if self.config.load_format == FLATTENED
                            else [t.contiguous() for _, t in bucket])
 
-                def broadcast(payload=payload) -> None:
+                def broadcast(payload=payload, group=self.group) -> None:
                     for tensor in payload:
-                        dist.broadcast(tensor, src=0, group=self.group)
+                        dist.broadcast(tensor, src=0, group=group)
 
+                sent = asyncio.wrap_future(_daemon_call(broadcast, "weight-sync-send"))
                 try:
-                    await loop.run_in_executor(None, broadcast)
-                finally:
-                    await announce
+                    await bucket_done(announce, sent, timeout_s=self.config.timeout_s,
+                                      what=f"bucket {index} ({len(bucket)} tensors)")
+                except BaseException:
+                    self.broken = not sent.done()  # a broadcast still in flight: the group is not reusable
+                    raise
 
-        version = await _run_sync(self.engine, self.config.pause_mode, load)
+        version, self.next_version = await _run_sync(self.engine, self.config.pause_mode, load, self.next_version), None
         log.info("weights (version %d) sent to %d of %d server(s)", version, len(self.engine.sync_targets),
                  len(self.engine.pool.servers))
         return version
@@ -350,9 +416,10 @@ class DistributedWeightSync:
         if self.group is None:
             return
         try:
-            await self.engine.destroy_weights_update_group(self.group_name)
+            await self.engine.destroy_weights_update_group(self.group_name, best_effort=self.broken)
         finally:
-            dist.destroy_process_group(self.group)
+            if not self.broken:  # (a broken one is dropped: a thread may still be inside it)
+                dist.destroy_process_group(self.group)
             self.group = None
 
 
@@ -438,6 +505,7 @@ class TensorWeightSync:
             raise ValueError(f"pause_mode must be abort or retract for a weight sync, got {mode.value}")
         self.engine = engine
         self.pause_mode = mode
+        self.next_version: int | None = None  # a resumed run's version for the next update (EngineWeightSync)
 
     async def start(self) -> None:
         """Refuse servers on other nodes, check the servers and read their weight version."""
@@ -472,7 +540,8 @@ class TensorWeightSync:
                 await self.engine.update_weights_from_tensor(payloads, weight_version=weight_version,
                                                              load_format=self.load_format)
 
-        return await _run_sync(self.engine, self.pause_mode, load)
+        version, self.next_version = await _run_sync(self.engine, self.pause_mode, load, self.next_version), None
+        return version
 
     async def close(self) -> None:
         return None

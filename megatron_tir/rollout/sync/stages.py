@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
 from megatron_tir.rollout.sync.base import FLATTENED, Bucket, check_bucket, flatten, kept_bytes
+from megatron_tir.rollout.sync.base import sync_failed
 from megatron_tir.rollout.sync.sglang import SYNC_PAUSE_MODES, _daemon_call, _run_sync, new_trainer_process_group
 
 if TYPE_CHECKING:
@@ -296,9 +297,10 @@ class StageWeightSync:
         dist.all_gather_object(found, (message, value), group=self.group)
         for rank, (message, _) in enumerate(found):
             if message is not None:
+                failed = sync_failed(RuntimeError(f"({what}) on rank {rank}: {message}"))
                 if error is not None and rank == self.rank:
-                    raise RuntimeError(f"weight sync ({what}) failed on rank {rank}: {message}") from error
-                raise RuntimeError(f"weight sync ({what}) failed on rank {rank}: {message}")
+                    raise failed from error
+                raise failed
         return found[0][1]
 
     def _on_rank0(self, coro) -> Any:
@@ -387,8 +389,9 @@ class StageWeightSync:
             world, error = self._on_rank0(check())
         self._build_groups(self._raise_any(error, "start", world))
 
-    def update(self, source: WeightSource) -> int:
-        """One sync of ``source``'s weights (every rank); returns the engine's new weight version."""
+    def update(self, source: WeightSource, *, version: int | None = None) -> int:
+        """One sync of ``source``'s weights (every rank); returns the engine's new weight version
+        (``version``: a resumed run's, see ``WeightSync.update``; read on rank 0)."""
         plan, error = None, None
         if self.rank == 0:
             async def check() -> tuple[bool, int | None]:
@@ -409,7 +412,7 @@ class StageWeightSync:
         layout, dtype = self._from_rank0(announced)  # what the servers will allocate: each sender checks against it
         transfer = None
         if self.rank == 0:
-            transfer = self.submit(self._transfer(layout, dtype))
+            transfer = self.submit(self._transfer(layout, dtype, version))
         error = None
         try:
             buckets = source.stage_buckets(cfg.bucket_bytes)
@@ -429,7 +432,7 @@ class StageWeightSync:
                 error = error or exc
         return self._raise_any(error, "sending the weights", version)
 
-    async def _transfer(self, layout: Layout, dtype: str) -> int:
+    async def _transfer(self, layout: Layout, dtype: str, version: int | None = None) -> int:
         """Rank 0: the sync session, one bucket announced at a time (see Order)."""
         async def load(weight_version: str) -> None:
             for stage, bucket in round_robin(layout):
@@ -438,7 +441,7 @@ class StageWeightSync:
                     group_name=self.group_names[stage], weight_version=weight_version,
                     load_format=self.config.load_format)
 
-        version = await _run_sync(self.engine, self.config.pause_mode, load)
+        version = await _run_sync(self.engine, self.config.pause_mode, load, version)
         log.info("weights (version %d) sent from %d stage(s) to %d of %d server(s)", version, len(layout),
                  len(self.engine.sync_targets), len(self.engine.pool.servers))
         return version

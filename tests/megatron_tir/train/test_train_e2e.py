@@ -81,18 +81,20 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
 
 
 def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
-    """Step count, optimizer state, data position, RNG and the grad-norm statistics (a window of 2:
-    step 3's moving average is over steps 1 and 2) survive a resume: step 3 of a run resumed after
-    step 2 equals step 3 of a run that never stopped."""
+    """Step count, optimizer state, data position, RNG, the grad-norm statistics (a window of 2:
+    step 3's moving average is over steps 1 and 2) and the engine's weight version survive a resume:
+    step 3 of a run resumed after step 2 equals step 3 of a run that never stopped."""
     a, b = tmp_path / "a", tmp_path / "b"
     window = ("--set", "trainer.log.moving_average=2")
     check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=3", *window, "--out", str(a)))
     check_ok(cli("train", "--recipe", "tiny-cpu", "--set", "trainer.steps=2", *window, "--out", str(b)))
     check_ok(cli("train", "--resume", str(b), "--set", "trainer.steps=3"))
     ma, mb = metrics(a), metrics(b)
+    assert ma[3]["train/weight_version_max"] == 2  # step 3 sampled with the weights of step 2's sync
+    assert state(b)["weight_version"] == 3
     assert ma[3]["train/grad_norm_ma"] == pytest.approx((ma[1]["train/grad_norm"] + ma[2]["train/grad_norm"]) / 2)
     for key in ("train/loss", "train/grad_norm", "rollout/mean_response_tokens", "rollout/reward",
-                "train/grad_norm_ma", "train/grad_norm_spike"):
+                "train/grad_norm_ma", "train/grad_norm_spike", "train/weight_version_max", "train/weight_version_min"):
         assert key in mb[3], key
         assert mb[3][key] == pytest.approx(ma[3][key], rel=1e-4, abs=1e-6), key
 

@@ -73,7 +73,7 @@ Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a toke
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
 
-One file on purpose (about 590 lines): it is one fake server, run as a process by the tests, and
+One file on purpose (about 610 lines): it is one fake server, run as a process by the tests, and
 each rule sits beside the endpoint it guards with the sglang file it follows.
 """
 
@@ -191,6 +191,7 @@ class FakeSGLangServer:
         self.abort_drain_s = abort_drain_s
         self.generate_delay_s = 0.0  # every /generate waits this long first (a large model's latency)
         self.enable_return_routed_experts = False  # --enable-return-routed-experts (fake_sglang_routing.py)
+        self.receive_failure: str | None = None  # a receive that fails with this before the broadcast; "hang": never ends
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
         self.healthy = True  # False: /health 503 at once (starting or shutting down)
@@ -515,6 +516,12 @@ class FakeSGLangServer:
             return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
                                                        f"{list(self.groups)}."}, status=400)
         group = self.groups[group_name]
+        if self.receive_failure == "hang":  # a scheduler stuck before its receive (a dead NCCL peer): no answer
+            await asyncio.Event().wait()
+        if self.receive_failure:  # model_runner.update_weights_from_distributed's answer when its receive raises
+            return _json({"success": False, "message": f"Failed to update parameter online: {self.receive_failure}. "
+                          "The full weights of the ModelRunner are partially updated. Please discard the whole weights."},
+                         status=400)
         flattened = body.get("load_format") == "flattened_bucket"
         self.received.append({"group": group_name, "load_format": body.get("load_format"), "names": body["names"]})
         if group is not None:
@@ -600,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         # not an SGLang flag: the environment sets the stand-in's latency per request (the rehearsal)
         server.generate_delay_s = float(os.environ.get("FAKE_SGLANG_GENERATE_DELAY_S", "0"))
         server.enable_return_routed_experts = args.enable_return_routed_experts
+        server.receive_failure = os.environ.get("FAKE_SGLANG_RECEIVE_FAILURE") or None  # the timeout tests
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()
