@@ -31,7 +31,10 @@ call of any of them, the call runs asynchronously, and its feedback is appended.
 failed call is a recorded outcome: the model's errors, timeouts and memory kills become
 feedback; an infrastructure failure (the sandbox's ``sandbox_error``, ``overloaded``
 after the client's retries, or an exception from its client) ends the trajectory with
-status ``tool_failed``. What is trained is exactly what was sampled: response ids are the
+status ``tool_failed``. A prompt the engine refuses as longer than its context
+(``ContextTooLong``) is a data error, not an infrastructure failure: status ``prompt_too_long``
+(one warning per prompt, naming its row); a later turn's context refused is ``truncated``.
+What is trained is exactly what was sampled: response ids are the
 engine's ids, in order, with the engine's log-probs and the weight version that sampled
 each of them.
 """
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 
 from megatron_tir.data.problems import Problem
 from megatron_tir.rollout.batch import Group
-from megatron_tir.rollout.engines.base import FinishReason, GenerationEngine, SamplingParams
+from megatron_tir.rollout.engines.base import ContextTooLong, FinishReason, GenerationEngine, SamplingParams
 from megatron_tir.rollout.routing_trace import RoutingTrace
 from megatron_tir.rollout.sandbox import Sandbox
 from megatron_tir.rollout.tools.base import FeedbackContext, Tool, ToolResult
@@ -135,6 +138,7 @@ class _TurnResult:
     requests: int
     seconds: float
     error: str | None = None  # the engine request raised (finish is ABORT)
+    too_long: bool = False  # ... because the context does not fit the engine's (ContextTooLong: a data error)
     discarded: int = 0  # sampled tokens past the closing fence, dropped (0 unless an engine missed a stop)
 
 
@@ -158,6 +162,7 @@ class TIRRollout:
         context = ToolContext(sandbox=sandbox, protocol=self.protocol, config=config)
         self.tools: list[Tool] = build_tools(config.toolset, context) if config.tools else []
         self._tools = {t.name: t for t in self.tools}
+        self._too_long_reported: set[tuple] = set()  # prompts already named in a data-error warning
 
     # ------------------------------------------------------------------ batch API
 
@@ -233,6 +238,9 @@ class TIRRollout:
             if cls.answer is not None:
                 answers.append((cls.answer, "model"))
 
+            if tr.too_long:  # the engine refused the context: a data error, not the infrastructure's
+                traj.status = self._context_refused(traj, turn_index, tr.error)
+                break
             if tr.finish is FinishReason.ABORT:  # not the model's doing, whatever the text holds
                 traj.status = FinishStatus.ABORTED
                 break
@@ -304,6 +312,7 @@ class TIRRollout:
         seconds = 0.0
         text = ""
         error = None
+        too_long = False
         discarded = 0
         while True:
             params = SamplingParams(max_new_tokens=budget - len(ids), temperature=cfg.temperature, top_p=cfg.top_p,
@@ -316,6 +325,10 @@ class TIRRollout:
                 gen = await self.engine.generate(context + ids, params)
             except asyncio.CancelledError:
                 raise
+            except ContextTooLong as exc:  # reported once per prompt by run_trajectory
+                seconds += time.perf_counter() - t0
+                error, finish, too_long = str(exc), FinishReason.ABORT, True
+                break
             except Exception as exc:  # noqa: BLE001 - a failed request is a recorded abort, not a crash
                 log.error("engine request failed: %s: %s", type(exc).__name__, exc)
                 seconds += time.perf_counter() - t0
@@ -352,7 +365,21 @@ class TIRRollout:
                 finish = FinishReason.LENGTH
                 break
         return _TurnResult(ids=ids, logprobs=logprobs, versions=versions, finish=finish, text=text,
-                           requests=requests, seconds=seconds, error=error, discarded=discarded)
+                           requests=requests, seconds=seconds, error=error, discarded=discarded, too_long=too_long)
+
+    def _context_refused(self, traj: Trajectory, turn_index: int, why: str | None) -> FinishStatus:
+        """The status of a trajectory whose context the engine refused as too long: at the first turn its
+        prompt is a data error (``prompt_too_long``: never an infrastructure failure, ``rollout/status_*``
+        counts it; one warning per prompt), later the response filled the context (``truncated``)."""
+        if turn_index > 0:
+            return FinishStatus.TRUNCATED
+        key = (traj.data_source, traj.problem_index, len(traj.prompt_ids))
+        if key not in self._too_long_reported:
+            self._too_long_reported.add(key)
+            log.warning("data error: the prompt of row %d%s (%d tokens) does not fit the engine's context (%s); "
+                        "its trajectories are prompt_too_long, not infrastructure failures", traj.problem_index,
+                        f" of {traj.data_source}" if traj.data_source else "", len(traj.prompt_ids), why)
+        return FinishStatus.PROMPT_TOO_LONG
 
     def _trim_overshoot(self, ids: list[int], logprobs: list[float], text: str, prefix: str):
         """Keep the turn ending at the token that closes the code block.

@@ -33,6 +33,7 @@ class FinishStatus(str, enum.Enum):
     VOID = "void"  # ended on a void turn (SimpleTIR); which modes train it: megatron_tir.rl.rows
     TOOL_FAILED = "tool_failed"  # the sandbox infrastructure failed (not the model's code)
     ABORTED = "aborted"  # the engine aborted a request (pause, shutdown, server error)
+    PROMPT_TOO_LONG = "prompt_too_long"  # a data error: the engine refused the prompt as longer than its context
 
 
 # Ended by the infrastructure, not the model: such rows count nowhere in an update (megatron_tir.rl.rows)

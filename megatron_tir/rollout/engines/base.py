@@ -133,6 +133,11 @@ def check_resume(released: tuple[str, ...], tags: Sequence[str] | None) -> tuple
     return tuple(t for t in released if t not in tags)
 
 
+class ContextTooLong(ValueError):
+    """The engine refused a request whose prompt does not fit its context (SGLang's 400 "... longer than the
+    model's context length ..."; the local engine's ``max_seq_len``): the data's doing, not the infrastructure's."""
+
+
 def check_generate_args(prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """The checks every engine makes on a ``generate`` call; returns the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):

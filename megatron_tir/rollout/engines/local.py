@@ -63,6 +63,7 @@ import torch
 from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rollout.engines.base import (
     DEFAULT_PAUSE_MODE,
+    ContextTooLong,
     FinishReason,
     Generation,
     PauseMode,
@@ -329,7 +330,7 @@ class LocalEngine:
         if bad:
             raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+            raise ContextTooLong(f"prompt has {len(prompt)} tokens; the engine's max_seq_len is {self.max_seq_len}")
         return prompt
 
     def _validate_updates(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

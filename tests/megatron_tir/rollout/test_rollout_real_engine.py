@@ -122,3 +122,34 @@ def test_smollm2_writes_and_runs_code(smollm2_dir, sandbox_cluster):
     if len(t.turns) > 1:  # the model continued after reading the feedback
         assert t.loss_mask[fb.stop] == 1
     assert inst.generated_tokens == sum(x.num_model_tokens for x in trajs)
+
+
+def test_a_prompt_longer_than_the_engines_context_is_a_data_error_not_infrastructure(tiny_dir, sandbox_cluster,
+                                                                                   caplog):
+    from megatron_tir.rollout.trajectory import INFRA_STATUSES
+    from megatron_tir.train.metrics import rollout_metrics
+
+    long = Problem(index=7, messages=({"role": "user", "content": "What is 2 + 2? " * 40},), ground_truth="4",
+                   data_source="unit")
+    problems = [PROBLEMS[0], long]
+    cfg = RolloutConfig(n_samples=2, max_turns=2, max_response_tokens=8, seed=1)
+    tokenizer = LocalEngine(LocalEngineConfig(model=str(tiny_dir))).tokenizer
+    lengths = [len(cfg.make_protocol().prompt_ids(p.messages, tokenizer)) for p in problems]
+    assert lengths[0] + 40 < lengths[1]
+    # the real engine's own limit: the short prompt and its response fit, the long prompt does not
+    engine = LocalEngine(LocalEngineConfig(model=str(tiny_dir), max_batch_size=4, seed=0, max_seq_len=lengths[0] + 20))
+    sandbox = ClusterSandbox.connect(sandbox_cluster.address)
+    with caplog.at_level("WARNING", logger="megatron_tir.rollout.driver"):
+        groups = asyncio.run(TIRRollout(engine, engine.tokenizer, sandbox, cfg).run(problems))
+    sandbox.close()
+    asyncio.run(engine.close())
+    short, refused = groups
+    assert all(t.status is FinishStatus.VOID for t in short.trajectories)  # a random model: void, as above
+    for t in refused.trajectories:  # before: ABORTED, an infrastructure failure (dropped from the update silently)
+        assert t.status is FinishStatus.PROMPT_TOO_LONG and t.status not in INFRA_STATUSES
+        assert t.response_ids == [] and "max_seq_len" in t.turns[0].reason
+    warnings = [r.getMessage() for r in caplog.records if "data error" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per prompt, not per sample
+    assert f"row 7 of unit ({lengths[1]} tokens)" in warnings[0]
+    metrics = rollout_metrics(groups)
+    assert metrics["rollout/status_prompt_too_long"] == 2.0 and "rollout/status_aborted" not in metrics

@@ -76,6 +76,7 @@ from typing import Any
 import aiohttp
 
 from megatron_tir.rollout.engines.base import (
+    ContextTooLong,
     FinishReason,
     Generation,
     SamplingParams,
@@ -338,8 +339,9 @@ class SGLangEngine(SGLangControl):
                 failures.append(f"{server.url}: {status} {error_message(body)}")
                 await asyncio.sleep(self.config.retry_backoff_s * attempt)
                 continue
-            if status != 200:
-                raise ValueError(f"SGLang {server.url} rejected the request ({status}): {error_message(body)}")
+            if status != 200:  # the request's own fault (a prompt longer than the context: a data error)
+                refused = ContextTooLong if "context length" in error_message(body).lower() else ValueError
+                raise refused(f"SGLang {server.url} rejected the request ({status}): {error_message(body)}")
             gen = parse_generate_response(body, prompt_tokens=len(prompt), eos_token_ids=self.eos_token_ids,
                                           server=server.url, routed_experts_from=params.routed_experts_from)
             served = gen.versions[-1] if gen.versions else parse_weight_version(

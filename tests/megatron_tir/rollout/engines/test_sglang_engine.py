@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 from megatron_tir.rollout.engines.base import (
+    ContextTooLong,
     FinishReason,
     GenerationEngine,
     SamplingParams,
@@ -199,10 +200,16 @@ def test_4xx_is_a_value_error_and_all_down_is_an_sglang_error():
     async def main():
         rejecting = FakeSGLangServer(scripted((400, {"error": {"message": "The input (9000 tokens) is longer than"
                                                                           " the model's context length"}})))
-        async with client([await rejecting.start()]) as engine:
-            with pytest.raises(ValueError, match="rejected the request \\(400\\): The input"):
+        async with client([await rejecting.start()]) as engine:  # the data's fault, not the server's
+            with pytest.raises(ContextTooLong, match="rejected the request \\(400\\): The input"):
                 await engine.generate([1], SamplingParams(max_new_tokens=3))
         await rejecting.stop()
+        other = FakeSGLangServer(scripted((400, {"error": {"message": "Unknown sampling parameter"}})))
+        async with client([await other.start()]) as engine:
+            with pytest.raises(ValueError, match="Unknown sampling parameter") as info:
+                await engine.generate([1], SamplingParams(max_new_tokens=3))
+            assert not isinstance(info.value, ContextTooLong)
+        await other.stop()
         async with client([f"http://127.0.0.1:{free_port()}"]) as engine:
             with pytest.raises(SGLangError, match="connect failed"):
                 await engine.generate([1], SamplingParams(max_new_tokens=3))
