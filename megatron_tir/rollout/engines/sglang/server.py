@@ -11,12 +11,12 @@ frees nothing. ``health_generation_probe=False`` launches with
 answers 200 at once instead of running a one-token generation (which sleeps ~1 s and
 waits while generation is paused).
 
-MoE (0.5.23, ``srt/arg_groups/fields/parallel.py`` ``ep_size``, ``exec_.py``
+MoE (0.5.23, ``srt/arg_groups/fields/parallel.py:281`` ``ep_size``, ``exec_.py:158``
 ``enable_return_routed_experts``): ``ep_size`` splits the experts over that many of the server's
-TP ranks (``moe_tp_size = tp_size // ep_size``, ``srt/runtime_context.py``
+TP ranks (``moe_tp_size = tp_size // ep_size``, ``srt/runtime_context.py:154``
 ``derive_parallel_widths``; so it divides ``tp_size``); ``enable_return_routed_experts`` lets a
 ``/generate`` request ask for each token's routed experts (``return_routed_experts``; without the
-flag the server has no capturer and answers without them, ``state_capturer/routed_experts.py``).
+flag the server has no capturer and answers without them, ``state_capturer/routed_experts.py:50``).
 """
 
 from __future__ import annotations

@@ -20,14 +20,15 @@ per token (:func:`parse_weight_version`). SGLang's default sampler returns ``log
 sampled token before top-k / top-p (greedy: at T = 1) -- the local engine's convention.
 
 Routed experts (MoE, ``SamplingParams.routed_experts_from`` = s): the request carries
-``return_routed_experts: true`` and ``routed_experts_start_len: s`` (``srt/managers/io_struct.py``
-``GenerateReqInput``; the scheduler aborts the request when s is below 0 or above the prompt's
-length, ``srt/managers/scheduler.py``); the answer's ``meta_info.routed_experts`` is the base64 of
-an int32 array ``[prompt + output - 1 - s, layers, k]`` of logical expert ids, positions s ..
-prompt + output - 2 (``batch_result_processor._maybe_collect_routed_experts``,
-``detokenizer_manager._b64_encode_per_request``, ``state_capturer/routed_experts.py``
-``extract_routed_experts_from_meta_info``). A server started without
-``--enable-return-routed-experts`` has no capturer and leaves the key out: refused here.
+``return_routed_experts: true`` and ``routed_experts_start_len: s`` (``srt/managers/io_struct.py:264-268``
+``GenerateReqInput``; the scheduler aborts the request with a 400 when s is below 0 or above the
+prompt's length, ``srt/managers/scheduler.py:3300-3318``); the answer's ``meta_info.routed_experts``
+is the base64 of an int32 array ``[prompt + output - 1 - s, layers, k]`` of logical expert ids,
+positions s .. prompt + output - 2 (``managers/scheduler_components/batch_result_processor.py:136``
+``_maybe_collect_routed_experts``, ``managers/detokenizer_manager.py:466``,
+``state_capturer/routed_experts.py:166`` ``extract_routed_experts_from_meta_info``). A server
+started without ``--enable-return-routed-experts`` has no capturer (``routed_experts.py:50``) and
+leaves the key out: refused here.
 """
 
 from __future__ import annotations

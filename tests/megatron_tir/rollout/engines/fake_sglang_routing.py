@@ -1,16 +1,23 @@
-"""The fake SGLang server's routed experts (``return_routed_experts``), held to sglang 0.5.23:
+"""The fake SGLang server's routed experts (``return_routed_experts``), held to sglang 0.5.23
+(paths under ``sglang/srt/`` of the pinned wheel, lines as read there):
 
-* admission (``srt/managers/scheduler.py``, the ``recv_req.return_routed_experts`` check): a
-  ``routed_experts_start_len`` below 0 or above the prompt's length finishes the request with an
-  abort of status 400, which the HTTP server answers as a 400 error (``tokenizer_manager.py``
-  raises ValueError, ``http_server.py`` ``_create_error_response``);
-* capture (``state_capturer/routed_experts.py``): only a server launched with
-  ``--enable-return-routed-experts`` has a capturer; without it the answer has no key;
-* the answer (``batch_result_processor._maybe_collect_routed_experts``,
-  ``detokenizer_manager._b64_encode_per_request``, ``tokenizer_manager.py`` meta_info): the base64 of
-  int32 ``[seqlen - 1 - start, layers, k]`` logical expert ids of positions start .. seqlen - 2 of
-  prompt + output, each row the router's top-k in descending score (``layers/moe/topk.py`` captures
-  ``topk_ids`` before any logical-to-physical remap).
+* the request: ``return_routed_experts`` and ``routed_experts_start_len`` are fields of
+  ``managers/io_struct.py:264-268`` ``GenerateReqInput``, the body ``/generate`` is parsed into; its
+  JSON contract (``sglang/api/v1/api_types.py:275``, ``decode_GenerateRequest``) types
+  ``routed_experts_start_len`` as an i64 and ignores keys it does not name, so both are accepted;
+* admission (``managers/scheduler.py:3300-3318``): a ``routed_experts_start_len`` below 0 or above
+  the prompt's length finishes the request with an abort of status 400, which the HTTP server
+  answers as a 400 error (``managers/tokenizer_manager.py:1918`` raises ValueError,
+  ``entrypoints/http_server.py:988-990`` ``_create_error_response``);
+* capture (``state_capturer/routed_experts.py:50``): only a server launched with
+  ``--enable-return-routed-experts`` (``arg_groups/fields/exec_.py:158``) has a capturer; without
+  it ``managers/scheduler_components/batch_result_processor.py:136`` collects nothing and the answer
+  has no key;
+* the answer (``batch_result_processor.py:136-177``, ``managers/detokenizer_manager.py:466``,
+  ``managers/tokenizer_manager.py:2602-2609``): ``meta_info.routed_experts``, the base64 of int32
+  ``[seqlen - 1 - start, layers, k]`` logical expert ids of positions start .. seqlen - 2 of
+  prompt + output, each row the router's top-k in descending score (``layers/moe/topk.py:2574``
+  captures ``topk_ids`` before any logical-to-physical remap).
 
 The ids come from the served model's own router: a transformers forward of the sequence with
 ``output_router_logits`` (the LocalEngine's model, with whatever weights the server was sent).
