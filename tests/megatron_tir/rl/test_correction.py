@@ -212,3 +212,14 @@ def test_named_stats_keep_the_former_async_metric_names():
     assert maxima["offpolicy/weight_max"] == maxima["correction/weight_max"]
     means, maxima = named_stats(c)
     assert not any(k.startswith("offpolicy/") for k in [*means, *maxima])
+
+
+def test_k3_of_a_float_rounding_gap_is_its_second_order_term_not_a_negative_number():
+    """A learner and an engine that agree to 1e-6 (the local engine here): k3 = rho - d - 1 ~ d^2 / 2, which
+    float32 ``exp(d) - d - 1`` rounds to 0 or below (it reported -4.9e-10 on a smollm2-cpu step)."""
+    engine = _t(ENGINE)
+    d = torch.tensor([[1e-6, -2e-6, 3e-6, 0.0] + [1e-6] * (T - 4)] * B)
+    c = correct(engine + d, engine, _t(MASK), CorrectionConfig(mode="none"))
+    got = (engine + d - engine).double()[_t(MASK) > 0]  # the float32 differences the module sees
+    s, n = c.means["k3_kl"]
+    assert s / n == pytest.approx(float((got ** 2 / 2).mean()), rel=1e-3) and s > 0
