@@ -5,8 +5,16 @@ stdio pipes, closes every other fd, sets the request-independent rlimits and wai
 request on fd 0 (a socket: a header, and the memfd the worker wrote the request into, which
 the zygote passes on unread). Then it sets the CPU and address-space limits, drops to the slot's
 uid/gid, loads seccomp and runs the code in-process with the warm modules. At its end it
-writes (request number, exit code, CPU time) into the page it shares with the zygote and
-closes its output, so the zygote can answer before the exit itself.
+writes (request number, exit code, CPU time) into the page it shares with the zygote, closes
+its output and stops itself (SIGSTOP), so the zygote can answer before the exit itself.
+
+The page is within the cell's reach (its code runs in this process: frames, the heap, its own
+memory), so the report is a claim, not a proof: the zygote takes it only from a cell the kernel
+says has stopped (``waitid(WSTOPPED)``: none of its threads runs any more), kills it before
+answering, and takes the CPU time from the kernel's clock of the process when that is more. A
+cell that writes a report and runs on is never believed (it is answered at its exit or its
+deadline); one that writes it and stops itself has ended there, as ``os._exit`` would have ended
+it -- its exit code is its own to choose either way.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
     """Runs in the forked cell; never returns. Everything up to reading the request is done
     ahead of time; the request's code runs only after the privilege drop."""
     try:
+        signal.set_wakeup_fd(-1)  # the zygote's SIGCHLD wake-ups (supervise.child_wakeups) are not the cell's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
         if cell.nice is not None:
             os.setpriority(os.PRIO_PROCESS, 0, cell.nice)
@@ -134,12 +144,13 @@ def cell_main(cell: CellSetup, ctrl_r: int, out_w: int, err_w: int) -> NoReturn:
             os.write(2, f"sandbox setup failed: seccomp: {exc}\n".encode())
             os._exit(EXIT_SETUP)
     code = run_cell(req.code)
-    try:  # report the end, then close the output: the zygote answers on both
+    try:  # report the end, close the output, stop: the zygote answers on the three (see the module docstring)
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
         cell.report_page[:REPORT.size] = REPORT.pack(seq, code, cpu)
         os.close(1)
         os.close(2)
+        os.kill(os.getpid(), signal.SIGSTOP)  # the zygote kills it once it has seen the stop
     except BaseException:  # noqa: BLE001 - the cell's code broke something: the exit still tells
         pass
     os._exit(code)

@@ -4,8 +4,9 @@ The next cell is forked ahead of its request, while the current one runs (fork()
 warm interpreter costs milliseconds; on a machine with a free core it is off the
 request's path) and waits for its request (``cell``). ``execute`` hands a request to it (a
 memfd the worker wrote, passed on unread), watches it (``supervise``), and answers with the
-outcome and the output, which the worker turns into the result; a cell that ran to its end and reported it is
-answered at once, its reap, tree kill and scratch wipe following right after the answer
+outcome and the output, which the worker turns into the result; a cell that ran to its end, reported it
+and stopped itself (the kernel's word that none of its code runs any more: ``cell``'s docstring) is
+killed and answered at once, its reap, tree kill and scratch wipe following right after the answer
 (``finish``), before the next request.
 """
 
@@ -27,7 +28,7 @@ from ..limits import SandboxLimits
 from ..protocol import CellOutcome, ExecRequest, ExecResult, Protection, encode, send_outcome
 from .cell import HEADER, REPORT, CellSetup, cell_main, stdio_wrappers
 from .layers import Layers
-from .supervise import Capture, drain, exec_result, watch
+from .supervise import Capture, child_wakeups, drain, exec_result, watch
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,12 @@ class Zygote:
         self._pending: int | None = None  # pid of a cell answered for before it was reaped (see finish)
         self._seq = 0
         # One shared page every cell inherits (memory, not an fd): a cell that ran to its end writes
-        # (request number, exit code, CPU time) there before closing its output, so the zygote can
-        # answer without waiting for the exit itself (tearing down a forked interpreter's page
-        # tables takes milliseconds); the process is reaped and its tree killed right after.
+        # (request number, exit code, CPU time) there before closing its output and stopping itself,
+        # so the zygote can answer without waiting for the exit itself (tearing down a forked
+        # interpreter's page tables takes milliseconds); taken only from a stopped cell (its code can
+        # write the page too), which is killed before the answer and reaped right after it.
         self._report = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._wakeups: int | None = None  # a byte whenever a child stops or exits (setup(); main thread)
 
     @property
     def protections(self) -> list[Protection]:
@@ -110,6 +113,7 @@ class Zygote:
         entering one (done before: it forks), None when not tried."""
         layers = self.layers
         layers.set_up(pid_namespace)
+        self._wakeups = child_wakeups()
         self._cell = CellSetup(uid=layers.uid, gid=layers.gid, switch_uid=layers.can_switch_uid, nice=self.cell_nice,
                                workdir=layers.workdir, limits=self.limits,
                                in_memory_cgroup=layers.memory_cg is not None, seccomp=layers.seccomp,
@@ -192,8 +196,9 @@ class Zygote:
             os.close(request_fd)  # before the next fork: only the cell ever holds it
         self.prepare_next()  # fork the next cell now, on another core, while this one runs
         seen = watch(spare.pid, timeout=timeout, start=start, out_r=spare.out_r, err_r=spare.err_r,
-                     limits=self.limits, reported=self._reported)
+                     limits=self.limits, reported=lambda: self._reported(spare.pid), wakeups=self._wakeups)
         if seen.reported is not None:  # answered now, reaped by finish() right after the answer
+            _kill_cell(spare.pid)  # (stopped: none of its code runs again)
             drain(seen.streams)
             self._pending = spare.pid
             exit_code, cpu_time = seen.reported
@@ -230,9 +235,13 @@ class Zygote:
         finally:
             run.close()
 
-    def _reported(self) -> tuple[int, float] | None:
+    def _reported(self, pid: int) -> tuple[int, float] | None:
+        """The cell's end-of-run report, once the kernel says the cell has stopped (see ``cell``); its CPU
+        time at least the kernel's clock of the process (children it reaped are in the report only)."""
         seq, code, cpu = REPORT.unpack_from(self._report)
-        return (code, cpu) if seq == self._seq else None
+        if seq != self._seq or not _stopped(pid):
+            return None
+        return code, max(cpu, _cpu_seconds(pid))
 
     def finish(self) -> None:
         """After an answer given on the cell's own report: reap it, kill what it left, wipe."""
@@ -270,6 +279,23 @@ def _kill_cell(pid: int) -> None:
             target()
         except ProcessLookupError:
             pass
+
+
+def _stopped(pid: int) -> bool:
+    """Whether our child ``pid`` is stopped: every thread of it (a group stop; the event is left for later)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and info.si_code == os.CLD_STOPPED
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid``, from the kernel (its CPU-time clock: CPUCLOCK_SCHED)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        return 0.0
 
 
 def _exited(pid: int) -> bool:

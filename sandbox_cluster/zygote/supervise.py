@@ -21,6 +21,17 @@ from .cell import EXIT_MEMORY, EXIT_SETUP
 
 
 _SCRATCH = 1 << 16  # one read's worth
+DESCENDANTS_DRAIN_S = 0.05  # after the cell ended, while its descendants still hold its pipes
+
+
+def child_wakeups() -> int:
+    """A pipe that gets a byte whenever a child of this process stops or exits (SIGCHLD through
+    ``signal.set_wakeup_fd``; main thread only): ``watch`` wakes on a cell's stop with it. Returns
+    its read end (non-blocking). A forked cell undoes it first thing (``cell.cell_main``)."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: the kernel then signals stops too
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    return r
 
 
 class Capture:
@@ -116,34 +127,44 @@ class Watched:
 
 
 def watch(pid: int, *, timeout: float, start: float, out_r: int, err_r: int, limits: SandboxLimits,
-          reported: Callable[[], tuple[int, float] | None]) -> Watched:
+          reported: Callable[[], tuple[int, float] | None], wakeups: int | None = None) -> Watched:
     """Read the cell's output until it ends, reports its end, passes the deadline or the
-    output cap. ``reported()``: the cell's end-of-run report, once it has written one."""
+    output cap. ``reported()``: the cell's end-of-run report, once it has written one and stopped
+    (see ``cell``), asked when its output closes and whenever a child changed state (``wakeups``:
+    ``child_wakeups``' pipe); a cell that claims its end and runs on is answered at its exit or its
+    deadline. Descendants that still hold the pipes when the cell has ended get ``DESCENDANTS_DRAIN_S``."""
     captures = (Capture(limits.output_head_bytes, limits.output_tail_bytes),
                 Capture(limits.output_head_bytes, limits.output_tail_bytes))
     streams = {out_r: captures[0], err_r: captures[1]}
     pidfd = os.pidfd_open(pid)
     deadline = start + timeout
     out = Watched(verdict=None, exited_at=None, reported=None, captures=captures, streams=streams)
+    ask = False  # a child changed state: ask for the report
     try:
         while streams or out.exited_at is None:
-            if not streams and out.exited_at is None:  # its output is closed: did it report its end?
-                out.reported = reported()
+            if out.exited_at is None and (ask or not streams):  # did it report its end, and stop?
+                ask, out.reported = False, reported()
                 if out.reported is not None:
                     out.exited_at = time.monotonic()
-                    break
+                    if not streams:
+                        break
+                    deadline = min(deadline, out.exited_at + DESCENDANTS_DRAIN_S)
             now = time.monotonic()
             if now >= deadline:
                 if out.exited_at is None:
                     out.verdict, out.exited_at = Status.TIMEOUT, now  # its run time ends with the deadline
                 break
-            watched = list(streams) + ([pidfd] if out.exited_at is None else [])
-            ready, _, _ = select.select(watched, [], [], deadline - now)
+            watched = list(streams) + ([pidfd, wakeups] if out.exited_at is None else [])
+            ready, _, _ = select.select([fd for fd in watched if fd is not None], [], [], deadline - now)
             for fd in ready:
+                if fd == wakeups:
+                    _drain_wakeups(wakeups)
+                    ask = True
+                    continue
                 if fd == pidfd:
                     # The cell is done; descendants may still hold the pipes: drain briefly, then kill.
                     out.exited_at = time.monotonic()
-                    deadline = min(deadline, out.exited_at + 0.05)
+                    deadline = min(deadline, out.exited_at + DESCENDANTS_DRAIN_S)
                     continue
                 if not streams[fd].read_from(fd):
                     os.close(fd)
@@ -161,6 +182,14 @@ def watch(pid: int, *, timeout: float, start: float, out_r: int, err_r: int, lim
     finally:
         os.close(pidfd)
     return out
+
+
+def _drain_wakeups(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def drain(streams: dict[int, Capture]) -> None:

@@ -367,3 +367,53 @@ def test_the_shared_status_page_carries_nothing_to_the_next_cell(client):
     for res in asyncio.run(both_slots()):
         assert res.status is Status.OK and res.stdout == "b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00'\n", res
     assert_next_ok(client)
+
+
+# Walks the frames (and, failing that, the heap) for the zygote's end-of-run report page and the request
+# number, writes an "exit 0, no CPU" report, closes its output and keeps running: a cell claiming its own
+# end. Prints what it found to stderr before closing it, for the test's message.
+_CLAIM_OK = r"""
+import gc, mmap, os, signal, struct, sys, time
+STOP = False
+t0 = time.process_time()
+while time.process_time() - t0 < 0.3:  # CPU to hide
+    pass
+page = seq = None
+f = sys._getframe()
+while f is not None and page is None:
+    for value in list(f.f_locals.values()):
+        if isinstance(getattr(value, "report_page", None), mmap.mmap):
+            page, seq = value.report_page, f.f_locals.get("seq")
+    f = f.f_back
+if page is None:
+    pages = [o for o in gc.get_objects() if isinstance(getattr(o, "report_page", None), mmap.mmap)]
+    page = pages[0].report_page if pages else None
+print("found", page is not None, seq, file=sys.stderr, flush=True)
+if page is not None and seq is not None:
+    page[:20] = struct.pack("=Qid", seq, 0, 0.0)
+os.close(1)
+os.close(2)
+if STOP:
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(60)
+"""
+
+
+def test_a_cell_that_claims_its_own_end_while_running_is_not_believed(client):
+    """Before: the zygote answered ``ok`` (exit 0, CPU 0.0) from the forged report while the cell slept on.
+    The zygote takes the report only from a cell the kernel says has stopped: this one runs on to its
+    deadline and is reported as it ended, a timeout."""
+    res = client.run(_CLAIM_OK, timeout=2)
+    assert res.stderr.startswith("found True"), res  # the report page was within reach: the attack is real
+    assert res.status is Status.TIMEOUT, res
+    assert res.wall_time >= 2
+    assert_next_ok(client)
+
+
+def test_a_cell_that_claims_its_end_and_stops_itself_ends_there_with_the_kernels_cpu_time(client):
+    """Stopping itself after the claim is ending itself (as ``os._exit(0)`` would): answered then, and
+    killed before the answer; the CPU time is the kernel's, not the claimed 0."""
+    res = client.run(_CLAIM_OK.replace("STOP = False", "STOP = True"), timeout=5)
+    assert res.status is Status.OK and res.wall_time < 5, res
+    assert res.cpu_time >= 0.25, res  # it burnt 0.3 s and claimed none
+    assert_next_ok(client)
