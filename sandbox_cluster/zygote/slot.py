@@ -197,8 +197,7 @@ class Zygote:
         self.prepare_next()  # fork the next cell now, on another core, while this one runs
         seen = watch(spare.pid, timeout=timeout, start=start, out_r=spare.out_r, err_r=spare.err_r,
                      limits=self.limits, reported=lambda: self._reported(spare.pid), wakeups=self._wakeups)
-        if seen.reported is not None:  # answered now, reaped by finish() right after the answer
-            _kill_cell(spare.pid)  # (stopped: none of its code runs again)
+        if seen.reported is not None:  # answered now (killed already), reaped by finish() right after the answer
             drain(seen.streams)
             self._pending = spare.pid
             exit_code, cpu_time = seen.reported
@@ -236,12 +235,15 @@ class Zygote:
             run.close()
 
     def _reported(self, pid: int) -> tuple[int, float] | None:
-        """The cell's end-of-run report, once the kernel says the cell has stopped (see ``cell``); its CPU
-        time at least the kernel's clock of the process (children it reaped are in the report only)."""
+        """The cell's end-of-run report, once the kernel says the cell has stopped (see ``cell``): then the
+        cell (and its process group) is killed at once, none of its code runs again; its CPU time at least
+        the kernel's clock of the process (children it reaped are in the report only)."""
         seq, code, cpu = REPORT.unpack_from(self._report)
         if seq != self._seq or not _stopped(pid):
             return None
-        return code, max(cpu, _cpu_seconds(pid))
+        cpu = max(cpu, _cpu_seconds(pid))
+        _kill_cell(pid)
+        return code, cpu
 
     def finish(self) -> None:
         """After an answer given on the cell's own report: reap it, kill what it left, wipe."""
