@@ -2,8 +2,8 @@
 rollout budgets and the evaluation's own sampling (``data.eval_samples`` samples per prompt,
 ``data.eval_temperature`` / ``data.eval_top_p`` or the rollout's, seed ``trainer.seed + 1``).
 
-Rank 0 runs it on the rollout service (``train/rollout_source.py`` calls it inside a rank-0 phase:
-the other ranks wait through the hand-off). ``hold(True)`` pauses generation that runs ahead
+Rank 0 runs it on the rollout service (``train/loop.py`` calls ``Producer.evaluate`` inside a rank-0
+phase: the other ranks wait through the hand-off). ``hold(True)`` pauses generation that runs ahead
 (``trainer.async=full``) while it evaluates; ``hold(False)`` lets it go on.
 """
 

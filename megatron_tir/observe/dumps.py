@@ -14,7 +14,8 @@ plus the decoded ``prompt`` and ``response``), with ``step``, ``split`` (``train
   ``group filter: surplus`` (the group passed but the train batch was already full),
   ``stale: older than trainer.async.max_staleness`` (``trainer.async=full``),
   ``void: <reason>`` (SimpleTIR: a void turn), ``over-long`` (truncated, ``overlong=mask``),
-  ``infrastructure: tool_failed | aborted``, ``no model tokens``.
+  ``infrastructure: tool_failed | aborted``, ``eval filter: verifier_failed | repeats`` (the per-row
+  eval filter, ``trainer.filters``), ``no model tokens``.
 
 The trainer's decisions come in (:class:`~megatron_tir.rollout.batch.RowFate`, built by rank 0's
 producer from what its dynamic sampling recorded and its update plan); this module only puts
@@ -81,13 +82,15 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         raise ValueError(f"{path}: not a JSONL file of trajectory records ({exc})") from None
 
 
-def _why_not_in_loss(t: Trajectory, *, drop_void: bool, overlong: str) -> str:
+def _why_not_in_loss(t: Trajectory, fate: RowFate, *, drop_void: bool, overlong: str) -> str:
     if t.status in (FinishStatus.TOOL_FAILED, FinishStatus.ABORTED):
         return f"infrastructure: {t.status.value}"
     if t.void and drop_void:
         return f"void: {t.void_reason or 'a void turn'}"
     if t.status is FinishStatus.TRUNCATED and overlong == "mask":
         return "over-long"
+    if fate.row_rule is not None:
+        return f"eval filter: {fate.row_rule}"
     return "no model tokens"
 
 
@@ -104,7 +107,7 @@ def update_records(sampled: Sequence[Group], fates: Mapping[tuple[int, int], Row
             why = ("stale: older than trainer.async.max_staleness" if fate.group_rule == "stale"
                    else f"group filter: {fate.group_rule}")
         else:
-            why = None if fate.in_loss else _why_not_in_loss(t, drop_void=drop_void, overlong=overlong)
+            why = None if fate.in_loss else _why_not_in_loss(t, fate, drop_void=drop_void, overlong=overlong)
         out[(t.group_id, t.sample_index)] = {"in_stats": fate.in_stats, "in_loss": fate.in_loss,
                                              "advantage": fate.advantage, "dropped_by": why}
     return out

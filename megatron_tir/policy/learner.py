@@ -30,7 +30,7 @@ trained by a value loss (``megatron_tir.policy.losses.ValueLoss``); ``values`` r
 Checkpoints (model + optimizer + scheduler) are saved and loaded by
 ``megatron_tir.policy.checkpoint.learner_io``. Every rank passes the same full batch and rows
 are dealt to the data-parallel replicas here, or (``local_rows=True``) each replica passes the
-rows the caller dealt it (the trainer's rollout source). On CPU the model is float32 (16-bit
+rows the caller dealt it (the trainer's hand-off). On CPU the model is float32 (16-bit
 parameters need a GPU); FP8 needs Transformer Engine and a GPU.
 """
 

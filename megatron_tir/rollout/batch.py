@@ -98,6 +98,7 @@ class RowFate:
     in_loss: bool  # some model token of it got gradient
     advantage: float | None  # mean over its model tokens; None: its group was not used, or a critic's GAE
     group_rule: str | None = None  # its group was not used: a group-filter rule, "surplus" or "stale"
+    row_rule: str | None = None  # the per-row eval filter kept it out of the loss: "verifier_failed" or "repeats"
 
 
 def flatten(groups: Sequence[Group]) -> list[Trajectory]:

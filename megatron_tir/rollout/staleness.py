@@ -16,7 +16,7 @@ With a bound ``eta`` (``max_staleness``, in versions) and a train batch of ``bat
 ``eta = 0`` with one batch in flight at a time is synchronous training; the one-step overlap
 (rollout N+1 during train N) is ``eta = 1`` with the sync between rounds.
 
-Pure bookkeeping, no threads: the rollout source calls it under its own lock.
+Pure bookkeeping, no threads: the group producer calls it under its own lock.
 """
 
 from __future__ import annotations

@@ -19,15 +19,16 @@ the ``TrainBatch``), :func:`stage_update` on the other stages, and :func:`mini_b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
-from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, low_prob_keep_BT, row_weights
+from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, low_prob_keep_BT, needs_values, row_weights
 from megatron_tir.rl.offpolicy import correction_BT
-from megatron_tir.rollout.batch import RolloutBatch
+from megatron_tir.rollout.batch import Group, RolloutBatch, RowFate, collate
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,7 +36,7 @@ class TrainRows:
     """Rows that are trained, with everything a rank needs to train them (row-aligned tensors).
 
     A pipeline stage reads only part of them (:func:`stage_fields`): the rows a rank receives
-    from the rollout source hold ``None`` in the fields its stage does not read."""
+    from the hand-off hold ``None`` in the fields its stage does not read."""
     attention_mask_BT: torch.Tensor  # bool; each row's tokens are columns 0 .. length - 1 (right padding)
     mini_batch_B: torch.Tensor  # long: the mini-batch (0..n-1) the row belongs to
     tokens_BT: torch.Tensor | None = None
@@ -180,6 +181,35 @@ def deal_rows(rows: TrainRows, dp_size: int) -> list[TrainRows]:
             mine = sorted(members[r::dp_size])  # in row order: the Learner sorts them the same way again
             shares[r].append(rows.select(mine) if mine else rows.stand_in(members[0], k))
     return [TrainRows.cat(parts) for parts in shares]
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRollouts:
+    """One rank's part of a step's rollouts, as the hand-off gives it (:meth:`~megatron_tir.train.handoff.HandOff.take`)."""
+    rows: TrainRows | None  # this rank's share of the trained rows; None: no row is trained this step
+    mini_batches: int  # mini-batches of the update (the same on every rank)
+    metrics: dict[str, float]  # rank 0: rollout and filter metrics; other ranks: {}
+    data_position: int  # the prompt stream's position after the step (full: the first position not consumed)
+    schedule_switched_at: int | None
+    rollout_budget: tuple[int, int]  # (max turns, max response tokens) the step sampled with
+    turns: int  # turns of the longest trained row (the per-turn diagnostics' size, the same on every rank)
+    sampled: list[Group]  # rank 0: every group the step sampled (the observers'); elsewhere []
+    fates: dict[tuple[int, int], RowFate]  # rank 0: what the step decided for each sampled row; elsewhere {}
+    data_consumed_ahead: list[int] = dataclasses.field(default_factory=list)  # full: consumed positions past it
+
+    @classmethod
+    def of_groups(cls, groups, cfg, *, pad_id: int = 0) -> StepRollouts:
+        """A one-replica step of scored ``groups`` (a ``TrainConfig``'s) without a hand-off (what ``take``
+        gives a rank when the data-parallel size is 1; for checks of the update alone)."""
+        tc = cfg.trainer
+        plan = plan_update(collate(groups, pad_id=pad_id), mode=tc.mode,
+                           advantage=None if needs_values(tc.ppo.advantage) else tc.ppo.advantage,
+                           overlong=tc.filters.overlong, mini_batches=tc.ppo.mini_batches)
+        r = plan.rows
+        return cls(rows=r if r.batch_size else None, mini_batches=int(r.mini_batch_B.max()) + 1 if r.batch_size else 0,
+                   metrics={}, data_position=0, schedule_switched_at=None,
+                   rollout_budget=(cfg.rollout.max_turns, cfg.rollout.max_response_tokens),
+                   turns=int(r.turn_index_BT.max()) + 1 if r.batch_size else 0, sampled=[], fates={})
 
 
 @dataclass(kw_only=True, slots=True)

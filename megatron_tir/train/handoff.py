@@ -18,7 +18,13 @@ a watchdog (the default group's ``timeout``: a 32B evaluation takes minutes). Th
   (:data:`HANDOFF_TIMEOUT`) is never what a waiting rank relies on.
 
 ``rank0_phase(key, fn)`` runs ``fn`` on rank 0 while the others wait here for its outcome (a
-failure on rank 0 ends every rank with its one-line cause).
+failure on rank 0 ends every rank with its one-line cause). The same wait carries the run's start
+(:meth:`HandOff.start`: rank 0's engine and sandbox), each step's rows (:meth:`HandOff.take`: rank
+0's :class:`~megatron_tir.train.producer.Producer` makes them) and the moment before a weight sync
+whose collectives span every rank (:meth:`HandOff.before_sync`).
+
+A step stops the run (:class:`TrainingStopped`, exit 1, nothing saved) when infrastructure ended
+more than ``trainer.stop.infra_failure_share`` of its trajectories (the producer's header says so).
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ from collections.abc import Callable
 import torch
 
 from megatron_tir.rollout.factory import InfrastructureError
-from megatron_tir.train.batch import TrainRows
+from megatron_tir.train.batch import StepRollouts, TrainRows
 
 HANDOFF_TIMEOUT = datetime.timedelta(hours=2)  # the gloo groups': a transfer starts once rank 0 is ready
+
+
+class TrainingStopped(InfrastructureError):
+    """The run cannot learn: a one-line cause (exit 1); the checkpoints already written stay."""
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -71,6 +81,7 @@ class HandOff:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.received_bytes = 0  # what this rank received last (tests and metrics)
         self.sent_bytes = 0  # rank 0: what it sent point to point last
+        self._syncs = 0  # weight syncs that waited for rank 0 first: the key each waits on
         self._stop = threading.Event()
         self._beat = None
         if self.rank == 0:
@@ -138,6 +149,53 @@ class HandOff:
         self.received_bytes = got
         return header, TrainRows.from_stage(tensors, lengths[mine])
 
+    # ------------------------------------------------------------------ the run's start, a step's rows
+
+    def start(self, fn: Callable[[], object], *, what: str) -> object | None:
+        """Rank 0: ``fn()`` (its start-up: engine, sandbox, producer), its outcome published; its result.
+        Every other rank waits for that outcome (None; rank 0's failure ends it with the one-line cause)."""
+        if self.rank == 0:
+            try:
+                started = fn()
+            except BaseException as exc:
+                self.publish("start", {"error": one_line(exc, 10_000)})
+                raise
+            self.publish("start", {"error": None})
+            return started
+        header, _ = self.receive("start", what=what)
+        if header["error"] is not None:
+            raise InfrastructureError(f"rank 0 could not start the rollouts: {header['error']}")
+        return None
+
+    def take(self, step: int, producer) -> StepRollouts:
+        """This rank's share of step ``step``'s trained rows (blocks until rank 0 has them): rank 0's
+        ``producer`` takes them (:meth:`~megatron_tir.train.producer.Producer.take`: started now unless they
+        already run) and rank 0 deals them; elsewhere ``producer`` is None and the rows arrive here."""
+        key = f"step/{step}"
+        if self.rank != 0:
+            header, rows = self.receive(key, what=f"step {step}'s rollouts")
+            return _step_rollouts(header, rows, {}, [], {})
+        try:
+            produced = producer.take(step)
+        except BaseException as exc:  # the other ranks end with the cause instead of waiting for rank 0's exit
+            self.publish(key, {"stop": f"rank 0 failed in step {step}'s rollouts: {one_line(exc)}"})
+            raise
+        rows = self.publish(key, produced.header, produced.shares)
+        self.forget(f"step/{step - 2}")  # every rank has read it: they trained step - 1 together
+        return _step_rollouts(produced.header, rows, produced.metrics, produced.collected.sampled, produced.fates)
+
+    def before_sync(self) -> None:
+        """Before a weight sync whose collectives span every rank: the other ranks wait for rank 0 (which may
+        first drain a step of rollouts: minutes) by polling the store as long as rank 0 lives, not inside the
+        sync's collectives (a group's timeout)."""
+        key = f"sync/{self._syncs}"
+        self._syncs += 1
+        if self.rank == 0:
+            self.publish(key, {})
+            self.forget(f"sync/{self._syncs - 2}")  # every rank read it: they synced together since
+        else:
+            self.receive(key, what="rank 0 to start the weight sync")
+
     # ------------------------------------------------------------------ rank-0 phases
 
     def rank0_phase(self, key: str, fn: Callable[[], dict | None], *, what: str) -> dict:
@@ -179,6 +237,9 @@ class HandOff:
             sleep = min(sleep * 2, self.poll_s / 2)
 
     def forget(self, key: str) -> None:
+        """Rank 0: drop a key every rank has read (elsewhere nothing)."""
+        if self.rank != 0:
+            return
         try:
             self.store.delete_key(key)
         except Exception:  # noqa: BLE001 - stores without delete (or gone): keys are small
@@ -188,6 +249,15 @@ class HandOff:
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=5)
+
+
+def _step_rollouts(header: dict, rows: TrainRows | None, metrics: dict, sampled: list, fates: dict) -> StepRollouts:
+    if header["stop"] is not None:
+        raise TrainingStopped(header["stop"])
+    return StepRollouts(rows=rows, mini_batches=header["mini_batches"], metrics=metrics,
+                        data_position=header["data_position"], schedule_switched_at=header["schedule_switched_at"],
+                        rollout_budget=tuple(header["budget"]), turns=header["turns"], sampled=sampled, fates=fates,
+                        data_consumed_ahead=list(header.get("consumed_ahead", [])))
 
 
 def _view_key(view: tuple[int, bool, bool]) -> str:

@@ -1,7 +1,7 @@
 """Rank 0's production of a step's rollouts: the prompt stream, the turn schedule, dynamic sampling,
 and each step's trained rows (row roles, group advantages, each data-parallel replica's share) with
-the step's rollout and filter metrics. The rollout source (``train/rollout_source.py``) hands them
-to the other ranks.
+the step's rollout and filter metrics. The hand-off (``train/handoff.py``, ``HandOff.take``) deals
+them to the other ranks.
 
 One strategy per ``trainer.async`` mode, chosen once:
 
@@ -25,6 +25,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from megatron_tir.eval.held_out import run_held_out
 from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
@@ -36,7 +38,7 @@ from megatron_tir.train.critic_update import warmup_unfiltered
 from megatron_tir.train.data import PromptStream
 from megatron_tir.train.group_producer import GroupProducer
 from megatron_tir.train.metrics import interruption_metrics, rollout_metrics
-from megatron_tir.train.row_filter import eval_filter_B
+from megatron_tir.train.row_filter import eval_filter_rules
 from megatron_tir.train.sampling import Collected, collect_groups
 from megatron_tir.train.turn_schedule import schedule_due, switched
 
@@ -241,26 +243,29 @@ class Producer:
                   # a dead sandbox broker stops the run with its one line (ClusterSandbox.unavailable)
                   "stop": _infra_stop(got.sampled, tc.stop.infra_failure_share)
                   or getattr(getattr(self.service, "sandbox", None), "unavailable", None)}
-        shares, plan = None, None
+        shares, plan, row_rules = None, None, None
         if got.groups and header["stop"] is None:
-            shares, plan = self._rows(got, header, metrics, step)
+            shares, plan, row_rules = self._rows(got, header, metrics, step)
         metrics["time/rollout"] = time.perf_counter() - t0
-        return Produced(header=header, shares=shares, metrics=metrics, collected=got, fates=row_fates(got, plan))
+        return Produced(header=header, shares=shares, metrics=metrics, collected=got,
+                        fates=row_fates(got, plan, row_rules))
 
     def warmup_unfiltered(self, step: int) -> bool:
         """Whether step ``step`` samples and trains without the group and row filters (critic warm-up)."""
         return warmup_unfiltered(self.cfg.critic, uses_critic=needs_values(self.cfg.trainer.ppo.advantage), step=step)
 
     def _rows(self, got: Collected, header: dict, metrics: dict,
-              step: int = 0) -> tuple[list[TrainRows] | None, UpdatePlan]:
+              step: int = 0) -> tuple[list[TrainRows] | None, UpdatePlan, list[str | None] | None]:
         """Row roles and group advantages over every counted row, the rows some token of which is trained,
-        dealt to the replicas (None: no row is trained), and the plan that decided them."""
+        dealt to the replicas (None: no row is trained), the plan that decided them and the eval filter's
+        rule of each row (None: the filter is off)."""
         tc = self.cfg.trainer
         rb = collate(got.groups, pad_id=self.pad_id)
         per_token = needs_values(tc.ppo.advantage)  # the critic's GAE fills the advantages in on every rank
-        excluded = None if self.warmup_unfiltered(step) else eval_filter_B(
+        rules = None if self.warmup_unfiltered(step) else eval_filter_rules(
             flatten(got.groups), max_repeat_score=tc.filters.max_repeat_score,
             drop_verifier_failures=tc.filters.drop_verifier_failures)
+        excluded = None if rules is None else torch.tensor([r is not None for r in rules], dtype=torch.bool)
         if excluded is not None:
             metrics["filter/rows_eval_filtered"] = float(excluded.sum())
         plan = plan_update(rb, mode=tc.mode, advantage=None if per_token else tc.ppo.advantage,
@@ -272,7 +277,7 @@ class Producer:
                     "filter/rows_in_loss": float(plan.trained_B.sum()),
                     "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}
         if not plan.rows.batch_size:
-            return None, plan
+            return None, plan, rules
         r = plan.rows
         header["mini_batches"] = int(r.mini_batch_B.max()) + 1
         header["turns"] = int(r.turn_index_BT.max()) + 1
@@ -280,7 +285,7 @@ class Producer:
         # every update): 0 in synchronous training, 1 with trainer.async=one_step
         metrics |= weight_version_metrics(plan.versions_BT, r.loss_mask_BT, current=self.service.weight_version)
         metrics["train/tokens"] = float(r.attention_mask_BT.sum()) * tc.ppo.epochs
-        return deal_rows(r, self.dp_size), plan
+        return deal_rows(r, self.dp_size), plan, rules
 
     def poke(self) -> None:
         """After a weight sync (the strategy's: ``full`` may admit more groups)."""
@@ -290,10 +295,12 @@ class Producer:
         self.strategy.stop()
 
 
-def row_fates(got: Collected, plan: UpdatePlan | None) -> dict[tuple[int, int], RowFate]:
+def row_fates(got: Collected, plan: UpdatePlan | None,
+              row_rules: list[str | None] | None = None) -> dict[tuple[int, int], RowFate]:
     """``(group_id, sample_index) ->`` what the step decided for each sampled row: the rule dynamic sampling
     recorded for a group left out of the batch (``Collected.rules``), the plan's row roles and advantages
-    for the batch's rows (``plan`` of ``got.groups``; None: no batch). A critic's GAE records no advantage."""
+    for the batch's rows (``plan`` of ``got.groups``; None: no batch) and the eval filter's rule of each
+    (``row_rules``, in the batch's order). A critic's GAE records no advantage."""
     out = {}
     for g in got.sampled:
         if (rule := got.rules.get(g.group_id)) is not None:
@@ -303,7 +310,8 @@ def row_fates(got: Collected, plan: UpdatePlan | None) -> dict[tuple[int, int], 
         for b, t in enumerate(t for g in got.groups for t in g.trajectories):
             out[(t.group_id, t.sample_index)] = RowFate(
                 in_stats=bool(plan.stats_B[b]), in_loss=bool(plan.trained_B[b]),
-                advantage=float(plan.advantages_B[b]) if plan.estimated else None)
+                advantage=float(plan.advantages_B[b]) if plan.estimated else None,
+                row_rule=None if row_rules is None else row_rules[b])
     return out
 
 

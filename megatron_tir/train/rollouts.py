@@ -50,7 +50,7 @@ class RolloutService:
         self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
                                                                     parts.tokenizer)
         self.activity = EngineActivity(self.engine)
-        # None where the kind's weights go from every rank (the rollout source's WeightSync)
+        # None where the kind's weights go from every rank (the weight push's WeightSync)
         self.weight_sync = build_engine_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
         if self.weight_sync is not None:
             self.runner.run(self.weight_sync.start())
@@ -103,7 +103,7 @@ class RolloutService:
         on the service's event loop; returns its new weight version (collective: the other ranks
         drain ``source.named_hf_buckets()`` at the same time)."""
         if self.weight_sync is None:
-            raise RuntimeError("this engine is synced from every rank (RolloutSource.sync_weights)")
+            raise RuntimeError("this engine is synced from every rank (WeightPush.update)")
         if version is not None:  # a resumed run continues its numbering (EngineWeightSync.next_version)
             self.weight_sync.next_version = version
         with self.activity.paused():

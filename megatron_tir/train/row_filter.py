@@ -19,14 +19,26 @@ from megatron_tir.observe.zerotir import repeat_score, response_text
 from megatron_tir.rollout.trajectory import Trajectory
 
 
-def eval_filter_B(trajs: Sequence[Trajectory], *, max_repeat_score: float | None,
-                  drop_verifier_failures: bool) -> torch.Tensor | None:
-    """``[B]`` bool, True for the rows the filter keeps out of the loss (in ``trajs``' order: the
-    collated batch's); None when the filter is off."""
+def eval_filter_rules(trajs: Sequence[Trajectory], *, max_repeat_score: float | None,
+                      drop_verifier_failures: bool) -> list[str | None] | None:
+    """Per row (in ``trajs``' order: the collated batch's), the rule that keeps it out of the loss
+    (``verifier_failed``, ``repeats``) or None; None when the filter is off."""
     if max_repeat_score is None and not drop_verifier_failures:
         return None
     out = []
     for t in trajs:
-        failed = drop_verifier_failures and t.reward_failed
-        out.append(failed or (max_repeat_score is not None and repeat_score(response_text(t)) > max_repeat_score))
-    return torch.tensor(out, dtype=torch.bool)
+        if drop_verifier_failures and t.reward_failed:
+            out.append("verifier_failed")
+        elif max_repeat_score is not None and repeat_score(response_text(t)) > max_repeat_score:
+            out.append("repeats")
+        else:
+            out.append(None)
+    return out
+
+
+def eval_filter_B(trajs: Sequence[Trajectory], *, max_repeat_score: float | None,
+                  drop_verifier_failures: bool) -> torch.Tensor | None:
+    """``[B]`` bool, True for the rows the filter keeps out of the loss (in ``trajs``' order: the
+    collated batch's); None when the filter is off."""
+    rules = eval_filter_rules(trajs, max_repeat_score=max_repeat_score, drop_verifier_failures=drop_verifier_failures)
+    return None if rules is None else torch.tensor([r is not None for r in rules], dtype=torch.bool)

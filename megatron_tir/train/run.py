@@ -1,10 +1,18 @@
-"""Set up one trainer rank (process groups, learner, the rollout source), run the loop, tear down."""
+"""Set up one trainer rank (process groups, learner, the rollouts' parts), run the loop, tear down.
+
+The rollouts' parts (:func:`open_rollouts`, every rank): the :class:`~megatron_tir.train.handoff.HandOff`
+(how rows and rank-0 phases reach every rank), rank 0's :class:`~megatron_tir.train.producer.Producer`
+(engine, sandbox and verifier behind it; None on the other ranks) and the
+:class:`~megatron_tir.train.weight_push.WeightPush` (the engine's side of an update).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -12,9 +20,11 @@ from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
 from megatron_tir.train.algorithm import algorithm_class, build_algorithm
+from megatron_tir.train.handoff import HandOff
 from megatron_tir.train.loop import train
 from megatron_tir.train.preempt import StopSignals
-from megatron_tir.train.rollout_source import RolloutSource
+from megatron_tir.train.producer import Producer
+from megatron_tir.train.weight_push import WeightPush
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +66,51 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
             (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
             return service
 
-        with RolloutSource(cfg, service_factory=start_service, position=state.data_position,
+        with open_rollouts(cfg, service_factory=start_service, position=state.data_position,
                            schedule_switched_at=state.schedule_switched_at,
-                           consumed_ahead=state.data_consumed_ahead) as source:
+                           consumed_ahead=state.data_consumed_ahead) as r:
             if resume:  # the engines start from the base weights: give them the policy's, at the saved version
-                source.sync_weights(learner, version=state.weight_version or None)
+                r.weights.update(learner, version=state.weight_version or None)
             with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
-                return train(cfg, run_dir, state, algorithm=algorithm, source=source, stop=stop)
+                return train(cfg, run_dir, state, algorithm=algorithm, handoff=r.handoff, producer=r.producer,
+                             weights=r.weights, stop=stop)
     finally:
         destroy_parallel()
+
+
+class Rollouts(NamedTuple):
+    handoff: HandOff
+    producer: Producer | None  # rank 0's; None elsewhere
+    weights: WeightPush
+
+
+@contextlib.contextmanager
+def open_rollouts(cfg: TrainConfig, *, service_factory, position: int = 0, schedule_switched_at: int | None = None,
+                  consumed_ahead=(), pad_id: int | None = None, poll_s: float = 1.0, alive_timeout_s: float = 300.0):
+    """Every rank, collectively: the hand-off, rank 0's producer over ``service_factory()`` (called on rank 0
+    only: the started :class:`~megatron_tir.train.rollouts.RolloutService`; a failure there ends every rank
+    with its one-line cause) and the weight push; closed in that order (the service last) on the way out.
+    ``position``, ``schedule_switched_at`` and ``consumed_ahead`` come from the trainer state."""
+    handoff = HandOff(poll_s=poll_s, alive_timeout_s=alive_timeout_s)
+    service = producer = weights = None
+
+    def start() -> tuple:  # rank 0 only
+        nonlocal service
+        service = service_factory()
+        return service, Producer(cfg, service, position=position, consumed_ahead=consumed_ahead,
+                                 schedule_switched_at=schedule_switched_at, pad_id=pad_id, dp_size=handoff.dp_size)
+    try:
+        _, producer = handoff.start(start, what="rank 0's engine and sandbox to start") or (None, None)
+        weights = WeightPush(cfg, handoff, producer)
+        yield Rollouts(handoff, producer, weights)
+    finally:
+        handoff.close()
+        if producer is not None:
+            try:
+                producer.stop()
+            except Exception:  # noqa: BLE001 - closing after a failure: the service's close reports it
+                log.exception("stopping the group producer")
+        if weights is not None:
+            weights.close()
+        if service is not None:
+            service.close()

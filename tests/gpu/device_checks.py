@@ -58,7 +58,7 @@ def check_update_policy() -> dict:
     from megatron_tir.train.config import apply_overrides
     from megatron_tir.train.recipes import tiny_cpu
     from megatron_tir.train.algorithm import build_algorithm
-    from megatron_tir.train.rollout_source import StepRollouts
+    from megatron_tir.train.batch import StepRollouts
 
     cfg = apply_overrides(tiny_cpu(), ["learner.dtype=bfloat16", "trainer.ppo.epochs=2",
                                        "trainer.loss.entropy_coef=0"])
@@ -255,7 +255,7 @@ def imports_only() -> int:
     import importlib
 
     for name in ("crafted_rollouts", "learner_testing", "megatron_tir.policy.learner", "megatron_tir.train.config",
-                 "megatron_tir.train.loop", "megatron_tir.train.rollout_source", "megatron_tir.model_sources",
+                 "megatron_tir.train.loop", "megatron_tir.train.run", "megatron_tir.model_sources",
                  "megatron_tir.policy.losses", "megatron_tir.rl", "megatron_tir.launch.plan",
                  "megatron_tir.launch.model_facts", "megatron_tir.policy.build", "megatron_tir.policy.microbatch",
                  "megatron_tir.policy.vocab_parallel", "megatron_tir.policy.parallel", "megatron_tir.policy.weights",

@@ -85,7 +85,7 @@ class StageWeightSyncConfig:
     address: str | None = None  # this rank's address as the servers reach it; None: socket.getfqdn()
     # the trainer ranks' own gloo group: how long a rank waits for the others inside a sync (rank 0
     # waiting up to rejoin_timeout_s for the servers, then the transfer). The wait before a sync, while
-    # rank 0 drains a step of rollouts, is not in it: RolloutSource.sync_weights polls the store first
+    # rank 0 drains a step of rollouts, is not in it: WeightPush.update polls the store first (HandOff.before_sync)
     coordination_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:

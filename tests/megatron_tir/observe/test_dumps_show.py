@@ -152,3 +152,23 @@ def test_show_reads_an_eval_out_file(tmp_path, capsys):
     assert out.startswith("== group 2 sample 0 · status completed · reward 1.0") and f"{TRAINED}print(6*7)" in out
     (tmp_path / "bad.jsonl").write_text("not json\n")
     assert main(["show", str(tmp_path / "bad.jsonl")]) == 2
+
+
+def test_a_row_the_eval_filter_kept_out_says_its_rule():
+    """The per-row eval filter (``trainer.filters.drop_verifier_failures``): the row stays in its group's
+    statistics, leaves the loss, and its dump names the filter's rule (not "no model tokens")."""
+    import torch
+
+    from megatron_tir.train.row_filter import eval_filter_rules
+
+    group = Group(group_id=0, problem=None, trajectories=[_right(0, 0), _wrong(0, 1), _wrong(0, 2)])
+    group.trajectories[2].reward_failed = True  # the verifier failed on it
+    rules = eval_filter_rules(group.trajectories, max_repeat_score=None, drop_verifier_failures=True)
+    assert rules == [None, None, "verifier_failed"]
+    plan = plan_update(collate([group], pad_id=0), mode="simpletir", advantage="grpo", overlong="mask",
+                       mini_batches=1, excluded_B=torch.tensor([r is not None for r in rules]))
+    collected = Collected(groups=[group], sampled=[group], rounds=1, removed={}, rules={})
+    recs = update_records([group], producer_fates(collected, plan, rules), drop_void=True, overlong="mask")
+    assert recs[(0, 2)]["in_stats"] and not recs[(0, 2)]["in_loss"]
+    assert recs[(0, 2)]["dropped_by"] == "eval filter: verifier_failed"
+    assert recs[(0, 1)]["in_loss"] and recs[(0, 1)]["dropped_by"] is None

@@ -79,14 +79,15 @@ def slow_rollout_rank(rank: int, world: int, delay_s: float, out: str) -> None:
     import time
 
     from megatron_tir.policy.parallel import init_parallel
-    from megatron_tir.train.rollout_source import RolloutSource
+    from megatron_tir.train.run import open_rollouts
 
     init_parallel(1, 1, timeout_s=3.0)
-    with RolloutSource(source_config(), service_factory=lambda: CraftedService(delay_s), pad_id=0, poll_s=0.5,
-                       alive_timeout_s=30.0) as source:
+    with open_rollouts(source_config(), service_factory=lambda: CraftedService(delay_s), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=30.0) as r:
         t0 = time.monotonic()
-        source.submit(1)
-        got = source.take(1)
+        if r.producer is not None:
+            r.producer.submit(1)
+        got = r.handoff.take(1, r.producer)
         waited = time.monotonic() - t0
         ok = torch.ones(1)
         torch.distributed.all_reduce(ok)  # the default group is healthy after the long wait
@@ -102,7 +103,7 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
     from megatron_tir.policy.learner_config import LearnerConfig
     from megatron_tir.policy.parallel import init_parallel
     from megatron_tir.train.algorithm import build_algorithm
-    from megatron_tir.train.rollout_source import RolloutSource
+    from megatron_tir.train.run import open_rollouts
 
     init_parallel(1, pp)
     cfg = source_config(prompts=4, mini_batches=2)
@@ -113,15 +114,16 @@ def dp_update_rank(rank: int, world: int, out: str, pp: int = 1, model: str = "t
     learner = Learner(LearnerConfig(model=model, pp=pp, lr=1.0, adam_eps=1.0, max_tokens_per_microbatch=24))
     critic = Learner(LearnerConfig(model=model, pp=pp, head="value", max_tokens_per_microbatch=24)) if async_gae else None
     initial = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
-    with RolloutSource(cfg, service_factory=CraftedService, pad_id=0) as source:
-        source.submit(1)
-        got = source.take(1)
+    with open_rollouts(cfg, service_factory=CraftedService, pad_id=0) as r:
+        if r.producer is not None:
+            r.producer.submit(1)
+        got = r.handoff.take(1, r.producer)
         metrics = build_algorithm(cfg, learner, critic=critic).update(1, got, {}).metrics
         from megatron.core import parallel_state
 
         view = (parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage(),
                 parallel_state.is_pipeline_last_stage())
-        received = {"rows": got.rows.tensors(), "bytes": source.received_bytes, "metrics": metrics, "view": view}
+        received = {"rows": got.rows.tensors(), "bytes": r.handoff.received_bytes, "metrics": metrics, "view": view}
     weights = {name: t.clone() for bucket in learner.hf_weights(1 << 30) for name, t in bucket}
     torch.save(received, f"{out}/received_rank{rank}.pt")
     if rank == 0:
@@ -166,16 +168,17 @@ def slow_eval_train_rank(rank: int, world: int, out: str, eval_s: float, timeout
     from megatron_tir.train.checkpoint import TrainerState
     from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.loop import train
-    from megatron_tir.train.rollout_source import RolloutSource
+    from megatron_tir.train.run import open_rollouts
 
     init_parallel(1, 1, timeout_s=timeout_s)
     cfg = apply_overrides(source_config(prompts=4), ["trainer.steps=1", "data.eval_size=2", "trainer.eval_every=1"])
     learner = Learner(cfg.learner)
     t0 = time.monotonic()
-    with RolloutSource(cfg, service_factory=lambda: SlowEvalService(eval_s, learner.tokenizer), pad_id=0, poll_s=0.5,
-                       alive_timeout_s=60.0) as source:
-        state = train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner), source=source)
-        evaluations = source.service.evaluations if rank == 0 else None
+    with open_rollouts(cfg, service_factory=lambda: SlowEvalService(eval_s, learner.tokenizer), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=60.0) as r:
+        state = train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner),
+                      handoff=r.handoff, producer=r.producer, weights=r.weights)
+        evaluations = r.producer.service.evaluations if rank == 0 else None
     torch.save({"step": state.step, "elapsed": time.monotonic() - t0, "evaluations": evaluations},
                f"{out}/rank{rank}.pt")
 
@@ -189,7 +192,7 @@ def colocated_order_rank(rank: int, world: int, out: str) -> None:
     from megatron_tir.train.checkpoint import TrainerState
     from megatron_tir.train.algorithm import build_algorithm
     from megatron_tir.train.loop import train
-    from megatron_tir.train.rollout_source import RolloutSource
+    from megatron_tir.train.run import open_rollouts
 
     init_parallel(1, 1)
     cfg = apply_overrides(source_config(prompts=4), [
@@ -217,9 +220,10 @@ def colocated_order_rank(rank: int, world: int, out: str) -> None:
         def offload(self) -> None:
             events.append("engine_release")
 
-    with RolloutSource(cfg, service_factory=lambda: Engine(0.0, learner.tokenizer), pad_id=0, poll_s=0.2,
-                       alive_timeout_s=60.0) as source:
-        train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner), source=source)
+    with open_rollouts(cfg, service_factory=lambda: Engine(0.0, learner.tokenizer), pad_id=0, poll_s=0.2,
+                       alive_timeout_s=60.0) as r:
+        train(cfg, Path(out) / "run", TrainerState(), algorithm=build_algorithm(cfg, learner),
+              handoff=r.handoff, producer=r.producer, weights=r.weights)
     torch.save({"events": events, "grad_bytes": grads()}, f"{out}/rank{rank}.pt")
 
 
@@ -274,13 +278,14 @@ def main() -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
     from megatron_tir.policy.parallel import init_parallel
-    from megatron_tir.train.rollout_source import RolloutSource
+    from megatron_tir.train.run import open_rollouts
 
     init_parallel(1, 1, timeout_s=3.0)
-    with RolloutSource(source_config(), service_factory=lambda: CraftedService(delay, marker), pad_id=0, poll_s=0.5,
-                       alive_timeout_s=20.0) as source:
-        source.submit(1)
-        source.take(1)
+    with open_rollouts(source_config(), service_factory=lambda: CraftedService(delay, marker), pad_id=0, poll_s=0.5,
+                       alive_timeout_s=20.0) as r:
+        if r.producer is not None:
+            r.producer.submit(1)
+        r.handoff.take(1, r.producer)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import torch
 from crafted_rollouts import C, group
 from device_check import DeviceCheckError
 
-from megatron_tir.train.rollout_source import StepRollouts
+from megatron_tir.train.batch import StepRollouts
 from megatron_tir.train.config import apply_overrides
 from megatron_tir.train.recipes import tiny_cpu
 

@@ -24,7 +24,7 @@ from megatron_tir.rollout.trajectory import FinishStatus, Trajectory, Turn
 from megatron_tir.tir import TurnKind
 from megatron_tir.train.config import apply_overrides
 from megatron_tir.train.recipes import load_recipe, tiny_cpu
-from megatron_tir.train.rollout_source import StepRollouts
+from megatron_tir.train.batch import StepRollouts
 
 SHIFT = 0.7
 

@@ -10,7 +10,7 @@ from crafted_rollouts import C, group
 
 from megatron_tir.train.config import apply_overrides
 from megatron_tir.train.recipes import tiny_cpu
-from megatron_tir.train.rollout_source import StepRollouts
+from megatron_tir.train.batch import StepRollouts
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""The rollout source across ranks (gloo): ranks wait for rank 0 however long its rollouts take, a
-dead rank 0 ends them in bounded time, and each rank receives only the rows it trains, with the
-update of the whole batch."""
+"""The hand-off across ranks (gloo; ``HandOff.take`` of rank 0's producer's rows, built by
+``run.open_rollouts``): ranks wait for rank 0 however long its rollouts take, a dead rank 0 ends
+them in bounded time, and each rank receives only the rows it trains, with the update of the
+whole batch."""
 
 from __future__ import annotations
 
