@@ -512,15 +512,17 @@ class FakeSGLangServer:
         if (gone := self._weights_unmapped(request)) is not None:
             return gone
         group_name = body.get("group_name", "weight_update_group")
+        # sglang 0.5.23: the receive (model_runner_components/weight_updater.py:260-273, its group assert
+        # included) raising is caught in managers/scheduler_components/weight_updater.py:209-210 ("Failed to
+        # receive weights: {e}"); entrypoints/http_server.py:1500-1505 answers success false with 400
         if group_name not in self.groups:
             return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
-                                                       f"{list(self.groups)}."}, status=400)
+                          f"{list(self.groups)}. Please call `init_weights_update_group` first."}, status=400)
         group = self.groups[group_name]
         if self.receive_failure == "hang":  # a scheduler stuck before its receive (a dead NCCL peer): no answer
             await asyncio.Event().wait()
-        if self.receive_failure:  # model_runner.update_weights_from_distributed's answer when its receive raises
-            return _json({"success": False, "message": f"Failed to update parameter online: {self.receive_failure}. "
-                          "The full weights of the ModelRunner are partially updated. Please discard the whole weights."},
+        if self.receive_failure:  # the broadcast raised (e.g. an NCCL error): the scheduler's answer, above
+            return _json({"success": False, "message": f"Failed to receive weights: {self.receive_failure}"},
                          status=400)
         flattened = body.get("load_format") == "flattened_bucket"
         self.received.append({"group": group_name, "load_format": body.get("load_format"), "names": body["names"]})

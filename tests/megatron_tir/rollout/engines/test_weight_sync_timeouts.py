@@ -2,9 +2,9 @@
 
 A fake server process (fake_sglang.py through SGLangServer, really joining the group over gloo)
 whose receive fails before the broadcast (``FAKE_SGLANG_RECEIVE_FAILURE``: it answers as sglang
-0.5.23's model runner does, 400 and its message) or never ends (``hang``: a scheduler stuck in its
-receive answers nothing). Before: the trainer's broadcast waited out the group's timeout before the
-server's answer was read, and a hung receive waited ``control_timeout_s`` (600 s) per call.
+0.5.23's scheduler does when its receive raises, 400 and "Failed to receive weights: <why>") or never
+ends (``hang``: a scheduler stuck in its receive answers nothing). Before: the trainer's broadcast
+waited out the group's timeout before the server's answer was read, and a hung receive waited ``control_timeout_s`` (600 s) per call.
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def test_a_receive_the_server_refuses_fails_at_once_with_its_message(tiny_qwen2,
         error, took, _ = sync_once(server, timeout_s=60)
     finally:
         server.stop()
-    assert f"Failed to update parameter online: {REASON}" in str(error)
+    assert f"Failed to receive weights: {REASON}" in str(error)
     assert took < 20, f"the server's refusal took {took:.0f} s to surface (the group's timeout is 60 s)"
     # the run's side: one line, the server's words (megatron-tir exits 1 on an InfrastructureError)
-    with pytest.raises(InfrastructureError, match="weight sync failed: .*Failed to update parameter online"):
+    with pytest.raises(InfrastructureError, match="weight sync failed: .*Failed to receive weights: CUDA error"):
         Rank0WeightSync(lambda source: (_ for _ in ()).throw(error)).update(object())
 
 
