@@ -49,7 +49,8 @@ def test_one_moe_step_with_routing_replay(replay, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     (line,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert line["train/optimizer_steps"] == 2
-    assert 0 <= line["routing/topk_changed_share"] < 1
+    # the second mini-batch runs on a router the first moved (lr 0.05): some top-k changed (0.47 measured), not all
+    assert 0 < line["routing/topk_changed_share"] < 1
 
 
 def test_rollout_replay_is_refused_with_one_line(tmp_path):
