@@ -10,6 +10,12 @@ order, until a step takes it (``take``). At the take a group whose *oldest* mode
 sampled more than ``eta`` versions before the weights the step updates from is dropped and
 counted (``filter/groups_stale``), never trained.
 
+A critic warm-up step with ``critic.filter_in_warmup`` false samples without the accuracy band and
+the zero-std rule (``unfiltered(step)``, :func:`~megatron_tir.train.critic_update.warmup_unfiltered`).
+A group finishing while the next step to take is such a step is kept without them, with the rule
+they would have removed it by; a step past the warm-up that takes it removes it then by that rule
+(so each step's batch is filtered as that step asks, whichever step the group was produced under).
+
 The weight sync of this mode pauses the engine in ``retract`` mode: requests in flight wait,
 drop their KV cache, and continue from prompt + tokens so far under the new weights (the
 local engine's retract; SGLang's ``pause_generation`` ``mode="retract"``). The trajectory keeps
@@ -54,6 +60,7 @@ class Taken:
 class _Finished:
     group: Group
     oldest_version: int  # the oldest weight version of its model tokens (its admission version if it has none)
+    filtered_by: str | None = None  # kept for a warm-up step: the full group filter's rule (None: it passes)
 
 
 def oldest_version(group: Group, admitted_at: int) -> int:
@@ -64,12 +71,16 @@ def oldest_version(group: Group, admitted_at: int) -> int:
 class GroupProducer:
     """See the module docstring. ``arollout(problems, cfg, group_id_offset)``: the service's
     rollout coroutine; ``rollout_cfg()`` the budgets in force (the turn schedule may switch them);
-    ``version()`` the engine's weight version; ``filters`` ``trainer.filters``."""
+    ``version()`` the engine's weight version; ``filters`` ``trainer.filters``; ``unfiltered(step)``
+    whether step ``step`` samples without the group filter's band and zero-std rule; ``first_step``
+    the step of the first take (each take is the next step)."""
 
     def __init__(self, *, arollout, stream: PromptStream, rollout_cfg: Callable[[], RolloutConfig],
-                 version: Callable[[], int], batch: int, max_staleness: int, filters, max_groups: int) -> None:
+                 version: Callable[[], int], batch: int, max_staleness: int, filters, max_groups: int,
+                 unfiltered: Callable[[int], bool] = lambda step: False, first_step: int = 1) -> None:
         self._arollout, self.stream, self._rollout_cfg, self._version = arollout, stream, rollout_cfg, version
         self.filters = filters
+        self._unfiltered, self._step = unfiltered, first_step  # the step the next take serves
         self.bound = StalenessBound(batch=batch, max_staleness=max_staleness)
         self.max_groups = max_groups  # groups finished before a step takes what passed (dynamic sampling's bound)
         self._base = version()  # admission counts the syncs since the start
@@ -130,10 +141,16 @@ class GroupProducer:
         f = self.filters
         (rule,) = group_rules([group], drop_zero_std=f.drop_zero_std, accuracy_lo=f.accuracy_lo,
                               accuracy_hi=f.accuracy_hi, overlong=f.overlong, min_rows=f.min_group_rows)
+        waived = None
+        if rule is not None and self._unfiltered(self._step):  # a warm-up step's: the band and zero-std off
+            (waived,) = group_rules([group], drop_zero_std=False, accuracy_lo=0.0, accuracy_hi=1.0,
+                                    overlong=f.overlong, min_rows=f.min_group_rows)
+            rule, waived = waived, rule
         self._finished_since_take += 1
         if rule is None:
             self.bound.finished()
-            self._ready.append(_Finished(group=group, oldest_version=oldest_version(group, admitted_at)))
+            self._ready.append(_Finished(group=group, oldest_version=oldest_version(group, admitted_at),
+                                         filtered_by=waived))
         else:
             self.bound.abandoned()  # its slot is free again
             self._filtered.append((group, rule))
@@ -144,6 +161,7 @@ class GroupProducer:
         """The next ``want`` fresh groups in completion order, waiting for them (fewer, even none,
         once ``max_groups`` finished since the last take without enough of them passing the filter)."""
         version = self._version()
+        unfiltered = self._unfiltered(self._step)  # the step this take serves (the next is set at its end)
         taken: list[Group] = []
         stale: list[Group] = []
         while True:
@@ -151,7 +169,11 @@ class GroupProducer:
                 raise self._error
             while self._ready and len(taken) < want:
                 f = self._ready.pop(0)
-                if self.bound.fresh_enough(f.oldest_version, version):
+                if f.filtered_by is not None and not unfiltered:  # kept for the warm-up, taken past it
+                    self.bound.reclaim()
+                    self._filtered.append((f.group, f.filtered_by))
+                    self._removed[f.filtered_by] += 1
+                elif self.bound.fresh_enough(f.oldest_version, version):
                     taken.append(f.group)
                 else:  # never trained
                     stale.append(f.group)
@@ -167,6 +189,7 @@ class GroupProducer:
         removed = self._removed | {"stale": len(stale)}
         self._removed = dict.fromkeys(self._removed, 0)
         rounds, self._finished_since_take = self._finished_since_take, 0
+        self._step += 1
         self._changed.set()
         # what a checkpoint after this step records: the first position not consumed, the consumed ones past it
         first = min(list(self._running) + [f.group.group_id for f in self._ready], default=self.stream.position)

@@ -113,7 +113,8 @@ class Continuous:
                 arollout=p.service.arollout, stream=p.stream, rollout_cfg=lambda: p.rollout_cfg,
                 version=lambda: p.service.weight_version, batch=tc.sampling.prompts_per_step,
                 max_staleness=tc.asynchrony.max_staleness, filters=tc.filters,
-                max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round)
+                max_groups=tc.sampling.max_rounds * tc.sampling.prompts_per_round,
+                unfiltered=p.warmup_unfiltered, first_step=step)  # critic.filter_in_warmup, as Rounds
             p.service.runner.run(self.groups.start())
         return None
 

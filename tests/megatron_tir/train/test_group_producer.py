@@ -260,3 +260,42 @@ def test_a_held_producer_admits_nothing_new_and_resumes_where_the_bound_stands()
     assert started == [0, 1, 2, 3] and [g.group_id for g in taken.collected.groups] == [0, 1]
     assert held == [0, 1, 2, 3]
     assert released == [0, 1, 2, 3, 4, 5]
+
+
+def test_critic_warmup_without_filter_keeps_zero_std_groups_and_a_later_step_removes_them():
+    """critic.filter_in_warmup=false in ``full``: a warm-up step (here step 1 of warmup_steps=1) takes
+    zero-std groups the filter would drop; a group kept that way but left for step 2 is removed there
+    by the zero-std rule (ZeroTIR filters once the actor trains), and step 2's own finishes are filtered."""
+    from megatron_tir.train.critic_update import CriticConfig, warmup_unfiltered
+
+    critic = CriticConfig(warmup_steps=1, filter_in_warmup=False)
+
+    async def main():
+        s = Scripted()
+        p = GroupProducer(arollout=s.arollout, stream=PromptStream(DataConfig()), rollout_cfg=lambda: None,
+                          version=lambda: s.version, batch=2, max_staleness=1,
+                          filters=FilterConfig(drop_zero_std=True), max_groups=100,
+                          unfiltered=lambda step: warmup_unfiltered(critic, uses_critic=True, step=step), first_step=1)
+        await p.start()
+        await settle()
+        for pos in (0, 1, 2):  # all zero std, finishing while step 1 (warm-up) is next
+            s.release(pos, rewards=(1.0, 1.0))
+        await settle()
+        step1 = await p.take(2)
+        s.version = 1
+        await p.poke()
+        await settle()
+        for pos in (3, 4, 5):  # step 2 is past the warm-up: 3 zero std, 4 and 5 mixed
+            s.release(pos, rewards=(1.0, 1.0) if pos == 3 else (0.0, 1.0))
+        await settle()
+        step2 = await p.take(2)
+        await p.stop()
+        return step1, step2
+
+    step1, step2 = asyncio.run(main())
+    assert [g.group_id for g in step1.collected.groups] == [0, 1]
+    assert step1.collected.removed["zero_std"] == 0
+    assert [g.group_id for g in step2.collected.groups] == [4, 5]
+    assert step2.collected.rules[2] == "zero_std" and step2.collected.rules[3] == "zero_std"
+    assert step2.collected.removed["zero_std"] == 2
+    assert step2.data_position == 6 and step2.consumed_ahead == []
