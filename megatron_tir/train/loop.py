@@ -165,7 +165,8 @@ def _check_finite_steps(step: int, stats: StepStats, before: int, limit: int) ->
 class _NoObserver:
     """The step observer of the ranks that write nothing (all but rank 0)."""
 
-    spikes = GradNormSpikes()  # never updated: these ranks write no trainer state
+    def __init__(self) -> None:
+        self.spikes = GradNormSpikes()  # restored on resume, never updated: these ranks write no trainer state
 
     def sampled(self, step: int, sampled, fates) -> None:
         pass
