@@ -59,7 +59,7 @@ def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: tor
                 overlong: str, excluded_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(stats_B, loss_B)`` booleans per the table above. ``infra_B``: tool_failed or aborted;
     ``excluded_B`` (optional): rows a per-row filter keeps out of the loss
-    (:func:`megatron_tir.train.row_filter.eval_filter_B`)."""
+    (:func:`megatron_tir.train.row_filter.eval_filter_rules`: a row with a rule)."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     void_B, infra_B, truncated_B = void_B.bool(), infra_B.bool(), truncated_B.bool()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from megatron_tir.observe.zerotir import repeat_score, response_text
 from megatron_tir.rollout.trajectory import Trajectory
 
@@ -35,10 +33,3 @@ def eval_filter_rules(trajs: Sequence[Trajectory], *, max_repeat_score: float | 
             out.append(None)
     return out
 
-
-def eval_filter_B(trajs: Sequence[Trajectory], *, max_repeat_score: float | None,
-                  drop_verifier_failures: bool) -> torch.Tensor | None:
-    """``[B]`` bool, True for the rows the filter keeps out of the loss (in ``trajs``' order: the
-    collated batch's); None when the filter is off."""
-    rules = eval_filter_rules(trajs, max_repeat_score=max_repeat_score, drop_verifier_failures=drop_verifier_failures)
-    return None if rules is None else torch.tensor([r is not None for r in rules], dtype=torch.bool)

@@ -24,7 +24,7 @@ from megatron_tir.rollout.trajectory import Turn
 from megatron_tir.tir import TurnKind
 from megatron_tir.train.batch import plan_update
 from megatron_tir.train.recipes import load_recipe
-from megatron_tir.train.row_filter import eval_filter_B
+from megatron_tir.train.row_filter import eval_filter_rules
 from megatron_tir.train.sampling import filter_groups
 
 N = 16
@@ -78,10 +78,13 @@ def test_eval_filter_is_the_forks_and_leaves_the_loss_only():
     scores = [repeat_score(x) for x in texts]
     assert scores[0] < 0.05 < scores[1]
     want = [f or s > 0.05 for f, s in zip(failed, scores)]  # filter_eval_fail
-    got = eval_filter_B(rows, max_repeat_score=0.05, drop_verifier_failures=True)
+    rules = eval_filter_rules(rows, max_repeat_score=0.05, drop_verifier_failures=True)
+    assert rules == [None, "repeats", "verifier_failed", None]
+    got = torch.tensor([r is not None for r in rules], dtype=torch.bool)  # the producer's excluded_B
     assert got.tolist() == want == [False, True, True, False]
-    assert eval_filter_B(rows, max_repeat_score=None, drop_verifier_failures=False) is None
-    assert eval_filter_B(rows, max_repeat_score=None, drop_verifier_failures=True).tolist() == failed
+    assert eval_filter_rules(rows, max_repeat_score=None, drop_verifier_failures=False) is None
+    assert [r is not None for r in eval_filter_rules(rows, max_repeat_score=None, drop_verifier_failures=True)] \
+        == failed
     plan = plan_update(collate([Group(group_id=0, problem=None, trajectories=rows)], pad_id=0), mode="naive",
                        advantage="grpo", overlong="keep", mini_batches=1, excluded_B=got)
     assert plan.trained_B.tolist() == [True, False, False, True]
