@@ -143,7 +143,7 @@ class PolicyLoss:
 
     ``extras`` holds ``old_logprobs_BT`` and ``advantages_BT`` (and ``ref_logprobs_BT`` when
     ``kl_coef > 0``). With ``behaviour_weights_BT`` (asynchronous training's off-policy
-    correction, :mod:`megatron_tir.rl.offpolicy`; ``old_logprobs_BT`` is then the proximal
+    correction, :mod:`megatron_tir.rl.correction`; ``old_logprobs_BT`` is then the proximal
     policy) the clipped surrogate of each token is multiplied by its detached weight; without
     it nothing is multiplied (synchronous training's loss, bit for bit).
     ``max_ratio_tensor`` keeps the largest importance ratio seen on loss tokens since

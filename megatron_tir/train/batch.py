@@ -27,7 +27,6 @@ import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import ADVANTAGE_ESTIMATORS, MODES, low_prob_keep_BT, needs_values, row_weights
-from megatron_tir.rl.offpolicy import correction_BT
 from megatron_tir.rollout.batch import Group, RolloutBatch, RowFate, collate
 
 
@@ -236,19 +235,6 @@ def build_update(rows: TrainRows, old_logprobs_BT: torch.Tensor, *, mode: str, l
     batch = TrainBatch(tokens_BT=rows.tokens_BT, attention_mask_BT=rows.attention_mask_BT, loss_mask_BT=mask_BT,
                        extras=extras)
     return Update(batch=batch, mini_batch_B=rows.mini_batch_B, low_prob_masked=low_prob_masked)
-
-
-def with_behaviour_weights(batch: TrainBatch, behaviour_logprobs_BT: torch.Tensor, *, cap: float,
-                           mode: str) -> tuple[TrainBatch, dict[str, float]]:
-    """``batch`` with the off-policy correction of asynchronous training (:func:`megatron_tir.rl.offpolicy.correction_BT`):
-    ``extras["behaviour_weights_BT"]`` against its ``old_logprobs_BT`` (the proximal policy) and, in
-    ``mask`` mode, the over-cap tokens out of the loss mask; ``behaviour_logprobs_BT`` are the
-    engine's for the batch's rows. Returns the batch and the correction's metrics."""
-    w_BT, mask_BT, stats = correction_BT(batch.extras["old_logprobs_BT"], behaviour_logprobs_BT, batch.loss_mask_BT,
-                                         cap=cap, mode=mode)
-    extras = batch.extras | {"behaviour_weights_BT": w_BT, "loss_mask_BT": mask_BT}
-    return TrainBatch(tokens_BT=batch.tokens_BT, attention_mask_BT=batch.attention_mask_BT, loss_mask_BT=mask_BT,
-                      extras=extras), stats
 
 
 def stage_update(rows: TrainRows) -> Update:

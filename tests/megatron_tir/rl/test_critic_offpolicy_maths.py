@@ -9,7 +9,7 @@ import torch
 
 from megatron_tir.rl.advantages import reinforce_pp_baseline_advantages_BT
 from megatron_tir.rl.critic import explained_variance, gae_BT, token_rewards_BT, value_loss_BT
-from megatron_tir.rl.offpolicy import behaviour_weights_BT
+from megatron_tir.rl.correction import correct, from_async_alias
 
 # one row: prompt col 0, model tokens 1-2, feedback 3-4, model token 5, padding 6
 MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
@@ -98,6 +98,14 @@ def test_reinforce_pp_baseline_equals_numpy():
     want = (centred[:, None] - vals.mean()) / (vals.std(ddof=1) + 1e-8) * counted
     assert got.numpy() == pytest.approx(want, abs=1e-6)
     assert got[5].abs().sum() == 0
+
+
+def behaviour_weights_BT(prox_BT, behav_BT, *, cap=2.0, mode="clamp"):
+    """The former ``trainer.async.correction`` modes through the rollout correction: the weight per token
+    (1 where the mode has none) and which tokens it capped (clipped or rejected)."""
+    c = correct(prox_BT, behav_BT, torch.ones_like(prox_BT), from_async_alias(mode, cap))
+    w_BT = torch.ones_like(c.rho_BT) if c.weights_BT is None else c.weights_BT
+    return w_BT, {"capped": (c.clipped_BT | c.rejected_BT).float()}
 
 
 def test_behaviour_weights_clamp_mask_off():

@@ -1,7 +1,10 @@
 """The decoupled objective in the policy loss: hand-computed losses for a batch with known
 behaviour (engine), proximal (learner recompute) and current log-probs, clamp and mask; the
-synchronous loss untouched (no weight, weight exactly 1 with behaviour = proximal, correction off)."""
+synchronous loss untouched (no weight, weight exactly 1 with behaviour = proximal, correction off). The
+correction is megatron_tir.rl.correction's, applied to the batch as the algorithm applies it
+(``train/algorithm.py``), the former ``trainer.async.correction`` spelling through ``from_async_alias``."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.rl import LossConfig, PolicyLoss, aggregate
-from megatron_tir.train.batch import with_behaviour_weights
+from megatron_tir.rl.correction import correct, from_async_alias, named_stats
 
 # one row: a prompt token (no loss), then three loss tokens; A = +1 everywhere
 # token 1: w = 1,   ratio 1.0               -> -1
@@ -26,6 +29,16 @@ def _batch(prox=PROX) -> TrainBatch:
                       loss_mask_BT=MASK.clone(),
                       extras={"old_logprobs_BT": prox.clone(), "advantages_BT": torch.ones(1, 4),
                               "loss_mask_BT": MASK.clone()})
+
+
+def with_behaviour_weights(batch: TrainBatch, behav_BT: torch.Tensor, *, cap: float,
+                           mode: str) -> tuple[TrainBatch, dict[str, float]]:
+    """The batch corrected as the algorithm does and the former ``offpolicy/*`` metrics (means and maxima)."""
+    c = correct(batch.extras["old_logprobs_BT"], behav_BT, batch.loss_mask_BT, from_async_alias(mode, cap))
+    batch = dataclasses.replace(batch, loss_mask_BT=c.loss_mask_BT, extras=batch.extras | c.extras())
+    means, maxima = named_stats(c, legacy=True)
+    stats = {k.removeprefix("offpolicy/"): s / n for k, (s, n) in means.items() if k.startswith("offpolicy/")}
+    return batch, stats | {k.removeprefix("offpolicy/"): v for k, v in maxima.items() if k.startswith("offpolicy/")}
 
 
 def _loss(batch: TrainBatch, aggregation="token_mean") -> torch.Tensor:
