@@ -45,6 +45,7 @@ receiving gives up at the group's ``timeout_s``.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -429,17 +430,35 @@ class StageWeightSync:
             try:
                 version = transfer.result()
             except Exception as exc:  # noqa: BLE001
-                error = error or exc
+                from megatron_tir.rollout.engines.sglang.wire import SGLangError
+
+                if error is None:
+                    error = exc
+                elif not isinstance(error, ValueError):  # a bucket built wrong here stays the error raised
+                    # the servers' answer first: a bucket they refused leaves the broadcast to its timeout
+                    error = SGLangError(f"{exc} (the broadcast: {type(error).__name__}: {error})")
         return self._raise_any(error, "sending the weights", version)
 
     async def _transfer(self, layout: Layout, dtype: str, version: int | None = None) -> int:
         """Rank 0: the sync session, one bucket announced at a time (see Order)."""
+        from megatron_tir.rollout.engines.sglang.wire import SGLangError
+
+        timeout_s = self.config.timeout_s
+
         async def load(weight_version: str) -> None:
+            counts = [0] * len(layout)
             for stage, bucket in round_robin(layout):
-                await self.engine.update_weights_from_distributed(
+                index, counts[stage] = counts[stage], counts[stage] + 1
+                announce = self.engine.update_weights_from_distributed(
                     names=[n for n, _ in bucket], dtypes=[dtype] * len(bucket), shapes=[list(s) for _, s in bucket],
                     group_name=self.group_names[stage], weight_version=weight_version,
                     load_format=self.config.load_format)
+                try:  # one bucket: its broadcast and every server's answer (not control_timeout_s)
+                    await asyncio.wait_for(announce, timeout_s)
+                except TimeoutError:
+                    raise SGLangError(f"no answer to bucket {index} of stage {stage} ({len(bucket)} tensors) from the "
+                                      f"servers within {timeout_s:g} s (a server stuck in its receive; timeout_s)"
+                                      ) from None
 
         version = await _run_sync(self.engine, self.config.pause_mode, load, version)
         log.info("weights (version %d) sent from %d stage(s) to %d of %d server(s)", version, len(layout),
