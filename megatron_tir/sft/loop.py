@@ -90,18 +90,14 @@ def run_sft(cfg: SFTConfig, run_dir: Path, state: TrainerState, *, resume: bool)
     """Every rank calls this with the same arguments; returns the final state."""
     from megatron_tir.policy.learner import Learner
     from megatron_tir.policy.parallel import destroy_parallel, init_parallel
-    from megatron_tir.sft.examples import load_examples
 
+    examples, cut, dropped = load_data(cfg)  # bad data is refused before the process group and the model
     torch.manual_seed(cfg.seed)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
                   timeout_s=cfg.collective_timeout_s, model_parallel_timeout_s=cfg.collective_timeout_s)
     try:
-        learner = Learner(cfg.learner)
-        examples, cut, dropped = fit_examples(
-            load_examples(cfg.data, learner.tokenizer, cfg.rollout, only_correct=cfg.only_correct), cfg.max_tokens)
-        if not examples:
-            raise ValueError(f"no trajectory has a model token within max_tokens={cfg.max_tokens}")
         _check_layout(cfg)
+        learner = Learner(cfg.learner)
         log.info("sft data: %d trajectories (%d model tokens, %d feedback tokens) from %d file(s); %d cut to "
                  "max_tokens=%d, %d dropped (no model token left)", len(examples),
                  sum(e.model_tokens for e in examples), sum(len(e.loss_mask) - e.model_tokens for e in examples),
@@ -116,6 +112,22 @@ def run_sft(cfg: SFTConfig, run_dir: Path, state: TrainerState, *, resume: bool)
         return _loop(cfg, run_dir, state, learner, examples, ckpts)
     finally:
         destroy_parallel()
+
+
+def load_data(cfg: SFTConfig) -> tuple[list[Example], int, int]:
+    """``cfg.data``'s examples cut to ``max_tokens`` (:func:`fit_examples`), tokenized with the model's
+    tokenizer (its HF files: no weights are read); ValueError naming the file and row on bad input."""
+    from transformers import AutoTokenizer
+
+    from megatron_tir.policy.model_source import resolve_source
+    from megatron_tir.sft.examples import load_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(cfg.learner.model).hf_files)
+    examples, cut, dropped = fit_examples(
+        load_examples(cfg.data, tokenizer, cfg.rollout, only_correct=cfg.only_correct), cfg.max_tokens)
+    if not examples:
+        raise ValueError(f"no trajectory has a model token within max_tokens={cfg.max_tokens}")
+    return examples, cut, dropped
 
 
 def _check_layout(cfg: SFTConfig) -> None:
