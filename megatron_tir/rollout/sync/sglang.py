@@ -401,7 +401,9 @@ class DistributedWeightSync:
                     await bucket_done(announce, sent, timeout_s=self.config.timeout_s,
                                       what=f"bucket {index} ({len(bucket)} tensors)")
                 except BaseException:
-                    self.broken = not sent.done()  # a broadcast still in flight: the group is not reusable
+                    # a broadcast still in flight, or one that failed (a timed-out gloo/NCCL group is dead):
+                    # the group is rebuilt, never reused
+                    self.broken = not sent.done() or sent.cancelled() or sent.exception() is not None
                     raise
 
         version, self.next_version = await _run_sync(self.engine, self.config.pause_mode, load, self.next_version), None

@@ -9,6 +9,7 @@ waited out the group's timeout before the server's answer was read, and a hung r
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def sync_once(server: SGLangServer, *, timeout_s: float) -> tuple[BaseException,
             else:
                 raise AssertionError("the sync succeeded")
             took = time.monotonic() - t0
-            assert sync.broken  # its broadcast is still waiting for the server: the group is dropped, not reused
+            assert sync.broken  # its broadcast is still waiting for the server, or timed out: dropped, not reused
             await sync.close()  # leaves the group on the server, drops the broken one here without waiting
             assert engine.paused is False  # generation resumed after the failure
         return error, took, engine
@@ -86,7 +87,9 @@ def test_a_receive_that_never_ends_fails_in_bounded_time(tiny_qwen2, tmp_path, m
         error, took, _ = sync_once(server, timeout_s=10)
     finally:
         server.stop()
-    assert "no answer to bucket 0 (2 tensors) from the servers within 10 s" in str(error)
+    # the server's answer and this rank's broadcast share timeout_s: whichever side gives up first is named
+    assert re.search(r"no answer to bucket 0 \(2 tensors\) from the servers within 10 s"
+                     r"|the broadcast of bucket 0 \(2 tensors\) failed: .*Timed out", str(error)), str(error)
     assert took < 10 + 40, f"a hung receive took {took:.0f} s"
 
 
