@@ -73,15 +73,14 @@ Prefix cache: ``meta_info.cached_tokens`` comes from a radix-cache model (a toke
 every finished request's prompt + output, at most ``len(input_ids) - 1`` matched, reset by
 a flush), so routing policies can be measured.
 
-One file on purpose (about 610 lines): it is one fake server, run as a process by the tests, and
-each rule sits beside the endpoint it guards with the sglang file it follows.
+One fake server, run as a process by the tests; each rule sits beside the endpoint it guards with
+the sglang file it follows. The weight-update endpoints (rules 1, 8-11) are in fake_sglang_weights.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
@@ -91,12 +90,11 @@ from typing import Any
 from aiohttp import web
 
 from fake_sglang_routing import routed_experts_b64, start_len_problem
+from fake_sglang_weights import WeightUpdateEndpoints, _json, tcp_address  # noqa: F401 - tcp_address: the tests'
 from sglang_schema import (
     api_types,
-    sglang_tensor_bucket,
     check_io_struct,
     server_cli_flags,
-    sglang_init_custom_process_group,
 )
 
 log = logging.getLogger("fake_sglang")
@@ -107,9 +105,6 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # srt/constants.py GPU_MEMO
 KEEPALIVE_S = 5.0  # srt/environ.py SGLANG_TIMEOUT_KEEP_ALIVE
 LAUNCH_WEIGHT_VERSION = "default"  # srt/arg_groups/fields/serving.py weight_version
 HEALTH_CHECK_TIMEOUT_S = 20.0  # srt/entrypoints/http_server.py HEALTH_CHECK_TIMEOUT
-NOT_IN_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-               "queued. Retract or finish them, then call /flush_cache.")
 
 _CONTROL = {  # POST path -> io_struct request class
     "/pause_generation": "PauseGenerationReqInput",
@@ -126,16 +121,6 @@ _CONTROL = {  # POST path -> io_struct request class
 }
 _DP_ASSERTED = ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
                 "/update_weights_from_tensor")
-
-
-def tcp_address(host: str, port: int) -> str:
-    """``tcp://host:port``, IPv6 in brackets (srt/utils/network.py NetworkAddress.to_tcp)."""
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass
-    return f"tcp://{host}:{port}"
 
 
 class RadixCache:
@@ -167,11 +152,7 @@ def torch_uint8():
     return torch.uint8
 
 
-def _json(body: dict, status: int = 200) -> web.Response:
-    return web.json_response(body, status=status)
-
-
-class FakeSGLangServer:
+class FakeSGLangServer(WeightUpdateEndpoints):
     """aiohttp app with SGLang's native endpoints; records every request and contract error."""
 
     def __init__(self, generate: GenerateHandler, *, engine=None, join_weight_groups: bool = False,
@@ -420,147 +401,6 @@ class FakeSGLangServer:
             await self.engine.resume()
         self._unpaused.set()
         return _json({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def _do_begin_weight_update(self, request, body: dict) -> web.Response:
-        if self.session_open:
-            return _json({"success": False, "message": "a weight-update session is already open; "
-                                                       "call end_weight_update() first"}, status=400)
-        self.session_open = True
-        return _json({"success": True, "message": "Success"})
-
-    async def _do_end_weight_update(self, request, body: dict) -> web.Response:
-        if not self.session_open:
-            return _json({"success": False, "message": "no weight-update session is open; "
-                                                       "call begin_weight_update() first"}, status=400)
-        self.session_open = False
-        return _json({"success": True, "message": "Success"})
-
-    def _weights_unmapped(self, request) -> web.Response | None:
-        if "weights" in self.memory_freed:
-            return self.crash(request, "CUDA error: an illegal memory access (a weight load into released weights)")
-        return None
-
-    def _after_update(self, body: dict, message: str) -> web.Response:
-        if body.get("flush_cache", True):
-            if not self.idle(ignore_waiting=self.scheduler_pause is not None):
-                return _json({"success": False, "message": NOT_FLUSHED}, status=400)
-            self.radix.reset()
-        if body.get("weight_version") is not None:  # adopted on success only (tokenizer_control_mixin.py)
-            self.weight_version = body["weight_version"]
-            message += f" Weight version updated to {self.weight_version}."
-        return _json({"success": True, "message": message})
-
-    async def _do_init_weights_update_group(self, request, body: dict) -> web.Response:
-        async with self.scheduler_lock:
-            return await self._init_group(body)
-
-    async def _init_group(self, body: dict) -> web.Response:
-        def failed(why: str) -> web.Response:
-            return _json({"success": False, "message": f"Failed to initialize custom process group: {why}."},
-                         status=400)
-
-        if self.init_failure is not None:
-            return failed(self.init_failure)
-        offset, world = body["rank_offset"], body["world_size"]
-        if offset < 1 or offset + self.tp_size > world:
-            return failed(f"ranks {offset}..{offset + self.tp_size - 1} do not fit world_size {world} "
-                          "(rank 0 is the trainer)")
-        group_name = body.get("group_name", "weight_update_group")
-        if not self.join_weight_groups:
-            await asyncio.sleep(self.join_wait_s)
-            self.groups[group_name] = None
-            return _json({"success": True, "message": "Succeeded to initialize custom process group."})
-        assert self.tp_size == 1, "the fake joins with one TP rank"
-        import datetime
-
-        def join():  # in its own process: c10d registers group names process-wide
-            return sglang_init_custom_process_group()(
-                backend=body.get("backend", "nccl"),
-                init_method=tcp_address(body["master_address"], body["master_port"]),
-                world_size=world, rank=offset, group_name=group_name, timeout=datetime.timedelta(seconds=60))
-
-        try:
-            self.groups[group_name] = await asyncio.get_running_loop().run_in_executor(None, join)
-        except Exception as exc:  # noqa: BLE001 - answered like SGLang's weight updater
-            return failed(repr(exc))
-        return _json({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def _do_destroy_weights_update_group(self, request, body: dict) -> web.Response:
-        async with self.scheduler_lock:
-            return self._destroy_group(body)
-
-    def _destroy_group(self, body: dict) -> web.Response:
-        group_name = body.get("group_name", "weight_update_group")
-        if group_name not in self.groups:
-            return _json({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
-        group = self.groups.pop(group_name)
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(group)
-        return _json({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def _do_update_weights_from_distributed(self, request, body: dict) -> web.Response:
-        import torch
-        import torch.distributed as dist
-
-        from megatron_tir.rollout.sync.base import kept_bytes
-
-        if not self.session_open:
-            return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_distributed")},
-                         status=400)
-        if (gone := self._weights_unmapped(request)) is not None:
-            return gone
-        group_name = body.get("group_name", "weight_update_group")
-        # sglang 0.5.23: the receive (model_runner_components/weight_updater.py:260-273, its group assert
-        # included) raising is caught in managers/scheduler_components/weight_updater.py:209-210 ("Failed to
-        # receive weights: {e}"); entrypoints/http_server.py:1500-1505 answers success false with 400
-        if group_name not in self.groups:
-            return _json({"success": False, "message": f"Failed to receive weights: Group {group_name} not in "
-                          f"{list(self.groups)}. Please call `init_weights_update_group` first."}, status=400)
-        group = self.groups[group_name]
-        if self.receive_failure == "hang":  # a scheduler stuck before its receive (a dead NCCL peer): no answer
-            await asyncio.Event().wait()
-        if self.receive_failure:  # the broadcast raised (e.g. an NCCL error): the scheduler's answer, above
-            return _json({"success": False, "message": f"Failed to receive weights: {self.receive_failure}"},
-                         status=400)
-        flattened = body.get("load_format") == "flattened_bucket"
-        self.received.append({"group": group_name, "load_format": body.get("load_format"), "names": body["names"]})
-        if group is not None:
-            def receive():
-                if flattened:  # _receive_bucketed_weights_from_distributed
-                    buckets = sglang_tensor_bucket().FlattenedTensorBucket
-                    layout = buckets.empty(body["names"], body["dtypes"], body["shapes"], "meta")  # its checks
-                    nbytes = layout.get_flattened_tensor().numel()
-                    memory = kept_bytes(self._receive_buffer, 0, nbytes)[:nbytes]
-                    bucket = buckets(flattened_tensor=memory, metadata=layout.get_metadata())
-                    dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
-                    return bucket.reconstruct_tensors()
-                received = []
-                for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                    dist.broadcast(tensor, src=0, group=group)
-                    received.append((name, tensor))
-                return received
-
-            async with self.scheduler_lock:  # the receive and the load are one scheduler request
-                received = await asyncio.get_running_loop().run_in_executor(None, receive)
-                try:
-                    await self.engine.update_weights(received)  # copies out before the buffer is reused
-                except ValueError as exc:
-                    return _json({"success": False, "message": str(exc)}, status=400)
-            self._version_names[str(self.engine.weight_version)] = body.get("weight_version") or self.weight_version
-        return self._after_update(body, "Succeeded to update parameter online.")
-
-    async def _do_update_weights_from_tensor(self, request, body: dict) -> web.Response:
-        if not self.session_open:
-            return _json({"success": False, "message": NOT_IN_SESSION.format("update_weights_from_tensor")},
-                         status=400)
-        if (gone := self._weights_unmapped(request)) is not None:
-            return gone
-        if len(body["serialized_named_tensors"]) < self.tp_size:  # tp_worker.deserialize_own_rank: [tp_rank]
-            return self.crash(request, "IndexError: list index out of range (serialized_named_tensors)")
-        return self._after_update(body, "Success")
 
     async def _do_release_memory_occupation(self, request, body: dict) -> web.Response:
         if not self.idle(ignore_waiting=self.scheduler_pause is not None):
