@@ -324,11 +324,18 @@ class StageWeightSync:
         return bool(behind) or tuple(s.url for s in targets) != self.members or any(s.stale for s in targets)
 
     async def _init_groups(self, endpoints: list[tuple[str, int]]) -> None:
+        from megatron_tir.rollout.engines.sglang.wire import SGLangError
+
         self.members = tuple(s.url for s in self.engine.sync_targets)
         for stage, (address, port) in enumerate(endpoints):  # one stage at a time (see Order)
-            await self.engine.init_weights_update_group(master_address=address, master_port=port,
-                                                        group_name=self.group_names[stage],
-                                                        backend=self.config.backend)
+            join = self.engine.init_weights_update_group(master_address=address, master_port=port,
+                                                         group_name=self.group_names[stage],
+                                                         backend=self.config.backend)
+            try:  # the senders' own join gives up at timeout_s too (not control_timeout_s)
+                await asyncio.wait_for(join, self.config.timeout_s)
+            except TimeoutError:
+                raise SGLangError(f"no answer to /init_weights_update_group ({self.group_names[stage]}) from the "
+                                  f"servers within {self.config.timeout_s:g} s (timeout_s)") from None
 
     async def _leave_groups(self, *, best_effort: bool) -> None:
         for name in self.group_names:

@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         server.generate_delay_s = float(os.environ.get("FAKE_SGLANG_GENERATE_DELAY_S", "0"))
         server.enable_return_routed_experts = args.enable_return_routed_experts
         server.receive_failure = os.environ.get("FAKE_SGLANG_RECEIVE_FAILURE") or None  # the timeout tests
+        server.init_failure = os.environ.get("FAKE_SGLANG_INIT_FAILURE") or None  # a join refused, or "hang"
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()

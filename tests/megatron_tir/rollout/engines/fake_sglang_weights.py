@@ -77,7 +77,9 @@ class WeightUpdateEndpoints:
             return _json({"success": False, "message": f"Failed to initialize custom process group: {why}."},
                          status=400)
 
-        if self.init_failure is not None:
+        if self.init_failure == "hang":  # a join stuck before its rendezvous (a peer that never comes): no answer
+            await asyncio.Event().wait()
+        if self.init_failure is not None:  # model_runner_components/weight_updater.py:141-144 (sglang 0.5.23)
             return failed(self.init_failure)
         offset, world = body["rank_offset"], body["world_size"]
         if offset < 1 or offset + self.tp_size > world:

@@ -5,8 +5,9 @@ One rank (PP=1, so rank 0 both announces and broadcasts) syncs into a fake SGLan
 (tests/megatron_tir/rollout/engines/fake_sglang.py, really joining the group over gloo) whose receive
 fails before the broadcast (``FAKE_SGLANG_RECEIVE_FAILURE``: 400 and "Failed to receive weights: <why>",
 as sglang 0.5.23's scheduler answers, managers/scheduler_components/weight_updater.py:209-210) or never
-ends (``hang``). Before: a refusal surfaced as the trainer's gloo timeout with the server's words lost,
-and a hung receive was waited for ``control_timeout_s`` (the HTTP bound), not the sync's ``timeout_s``.
+ends (``hang``); or whose join does (``FAKE_SGLANG_INIT_FAILURE``). Before: a refused receive surfaced
+as the trainer's gloo timeout with the server's words lost, and a hung receive or join was waited for
+``control_timeout_s`` (the HTTP bound), not the sync's ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ def failing_sync_run(rank: int, world: int, url: str, out: str) -> None:
     loop.run(engine.start())
     sync = StageWeightSync(StageWeightSyncConfig(backend="gloo", timeout_s=TIMEOUT_S, address="127.0.0.1"),
                            engine=engine, submit=loop.submit)
-    sync.start()
     t0 = time.monotonic()
     try:
+        sync.start()  # the join
+        t0 = time.monotonic()
         sync.update(TwoTensors())
     except InfrastructureError as exc:
         result = {"error": str(exc), "took": time.monotonic() - t0, "paused": engine.paused}
+        # an abandoned join thread ends at its own timeout_s, about now after a join the servers never
+        # answered; a process that exits while it is inside c10d aborts ("terminate called ...")
+        time.sleep(3)
     else:
         result = {"error": None}
     loop.run(engine.close())  # (the broken group is left to the process's exit)
@@ -68,13 +73,13 @@ def failing_sync_run(rank: int, world: int, url: str, out: str) -> None:
     torch.save(result, out)
 
 
-def sync_into(failure: str, tmp_path, monkeypatch) -> dict:
+def sync_into(failure: str, tmp_path, monkeypatch, variable: str = "FAKE_SGLANG_RECEIVE_FAILURE") -> dict:
     from megatron_tir.model_sources import resolve_model
     from megatron_tir.policy.parallel import run_ranks
     from megatron_tir.ports import free_port
     from megatron_tir.rollout.engines.sglang import SGLangServer, SGLangServerConfig
 
-    monkeypatch.setenv("FAKE_SGLANG_RECEIVE_FAILURE", failure)  # the server process's environment
+    monkeypatch.setenv(variable, failure)  # the server process's environment
     server = SGLangServer(SGLangServerConfig(model_path=str(resolve_model("tiny-qwen2")), port=free_port(),
                                              random_seed=0, launcher=(sys.executable, str(FAKE_SERVER)),
                                              log_file=str(tmp_path / "server.log"))).start()
@@ -100,3 +105,19 @@ def test_a_receive_that_never_ends_fails_the_stage_sync_within_its_timeout(tmp_p
     result = sync_into("hang", tmp_path, monkeypatch)
     assert f"no answer to bucket 0 of stage 0 (2 tensors) from the servers within {TIMEOUT_S:g} s" in result["error"]
     assert result["took"] < TIMEOUT_S + 40 < CONTROL_TIMEOUT_S, f"took {result['took']:.0f} s"
+
+
+def test_a_refused_join_ends_the_stage_sync_at_once_with_the_servers_words(tmp_path, monkeypatch):
+    result = sync_into("address already in use", tmp_path, monkeypatch, "FAKE_SGLANG_INIT_FAILURE")
+    assert result["error"].startswith("weight sync failed: (joining the weight-update groups) on rank 0: ")
+    # model_runner_components/weight_updater.py:142 (sglang 0.5.23), through http_server.py:1413-1417 (400)
+    assert ("/init_weights_update_group answered 400: Failed to initialize custom process group: "
+            "address already in use.") in result["error"]
+    assert result["took"] < TIMEOUT_S, f"took {result['took']:.0f} s"
+
+
+def test_a_join_that_never_ends_fails_the_stage_sync_within_its_timeout(tmp_path, monkeypatch):
+    result = sync_into("hang", tmp_path, monkeypatch, "FAKE_SGLANG_INIT_FAILURE")
+    assert "no answer to /init_weights_update_group (megatron_tir_weights-0-pp0) from the servers within 8 s" \
+        in result["error"]
+    assert result["took"] < TIMEOUT_S + 30 < CONTROL_TIMEOUT_S, f"took {result['took']:.0f} s"
