@@ -20,7 +20,7 @@ decode-shaped product (largest batch x hidden by hidden x intermediate, the MLP'
 
 Five runs (``VARIANTS``): ``hf-keep`` is the engine as it was before the slot decoder's work (the
 HF forward, idle OpenMP teams kept), ``hf`` the same decoder with the teams released
-(megatron_tir.openmp), ``slot`` today's engine, ``slot-keep`` and ``slot-unpacked`` today's engine
+(megatron_tir.rollout.engines.openmp), ``slot`` today's engine, ``slot-keep`` and ``slot-unpacked`` today's engine
 without the release or without the oneDNN-packed weights; the summary divides ``slot`` by each.
 
 Prints one JSON line per run as it ends, then the roofline, one line per (batch size,

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from megatron_tir.openmp import release_idle_threads
-
 
 def run_held_out(service, cfg, rollout_cfg, problems, *, hold) -> tuple[list, float]:
     """The held-out groups and the seconds they took. ``cfg``: the run's ``TrainConfig``."""
@@ -22,7 +20,7 @@ def run_held_out(service, cfg, rollout_cfg, problems, *, hold) -> tuple[list, fl
     ecfg = dataclasses.replace(rollout_cfg, n_samples=cfg.data.eval_samples, temperature=T, top_p=top_p,
                                seed=cfg.trainer.seed + 1)
     t0 = time.perf_counter()
-    release_idle_threads()
+    service.waiting()
     hold(True)  # full: the evaluation first, then generation ahead again
     try:
         groups = service.rollout(problems, ecfg, group_id_offset=0, progress=cfg.trainer.progress, desc="eval")

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tir.eval.held_out import run_held_out
-from megatron_tir.openmp import release_idle_threads
 from megatron_tir.rl import needs_values
 from megatron_tir.rollout.batch import RowFate, collate, flatten, weight_version_metrics
 from megatron_tir.rollout.trajectory import INFRA_STATUSES
@@ -184,7 +183,7 @@ class Producer:
     def drain(self, step: int) -> None:
         """Wait until ``step``'s rollouts have finished generating (a failure is left to ``produce``)."""
         if step in self._pending and self._pending[step][1] is not None:
-            release_idle_threads()
+            self.service.waiting()
             concurrent.futures.wait([self._pending[step][1]])
 
     def take(self, step: int) -> Produced:
@@ -229,7 +228,7 @@ class Producer:
         """Step ``step``'s groups, metrics, hand-off header and each replica's trained rows."""
         t0, future = self._pending.pop(step)
         tc = self.cfg.trainer
-        release_idle_threads()  # this thread waits for the engine's: its idle OpenMP team would slow them
+        self.service.waiting()  # this thread waits for the engine's work (the local engine: its idle OpenMP team back)
         got, position, ahead, metrics = self.strategy.take(step, future)
         metrics |= rollout_metrics(got.sampled) | interruption_metrics(got.groups)
         if stale := self.service.take_stale_responses():  # a server restarted with other weights

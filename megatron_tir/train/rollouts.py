@@ -22,7 +22,7 @@ from megatron_tir.data.problems import Problem
 from megatron_tir.observe.heartbeat import phase_progress
 from megatron_tir.rollout import Group, RolloutConfig, TIRRollout
 from megatron_tir.rollout.engines.base import PauseMode
-from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine_sync, open_rollout_parts
+from megatron_tir.rollout.factory import EngineConfig, SandboxConfig, build_engine_sync, engine_kind, open_rollout_parts
 from megatron_tir.rollout.event_loop import EventLoopThread
 from megatron_tir.rollout.instrument import EngineActivity
 
@@ -50,6 +50,7 @@ class RolloutService:
         self.sandbox, self.verifier, self.engine, self.tokenizer = (parts.sandbox, parts.verifier, parts.engine,
                                                                     parts.tokenizer)
         self.activity = EngineActivity(self.engine)
+        self._before_wait = engine_kind(engine_cfg.kind).before_wait
         # None where the kind's weights go from every rank (the weight push's WeightSync)
         self.weight_sync = build_engine_sync(engine_cfg, self.engine, pause_mode=self.pause_mode)
         if self.weight_sync is not None:
@@ -74,6 +75,12 @@ class RolloutService:
         with phase_progress(desc, len(problems) * config.n_samples, unit="traj") as bar:
             return await driver.run(problems, group_id_offset=group_id_offset,
                                     on_done=lambda t: bar.update(1, tokens=t.num_model_tokens))
+
+    def waiting(self) -> None:
+        """The calling thread is about to wait for the engine's work: what the engine kind asks of it
+        first (the local engine: hand back its idle OpenMP team; ``EngineKind.before_wait``)."""
+        if self._before_wait is not None:
+            self._before_wait()
 
     def take_stale_responses(self) -> int:
         """Answers the engine dropped since the last call because their server served older

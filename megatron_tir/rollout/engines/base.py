@@ -217,6 +217,9 @@ class EngineKind:
       None elsewhere.
     * ``servers(plan)``: ``(service name, argv)`` per server a launch starts for the kind
       (:class:`ServerPlan`); None: the engine runs inside the trainer.
+    * ``before_wait()``: what a trainer thread does before it waits for the engine's work (the
+      local engine, which computes in this process: its idle OpenMP team is handed back,
+      :mod:`megatron_tir.rollout.engines.openmp`); None: nothing.
     """
     check: Callable[[EngineConfig], None]
     where: Callable[[EngineConfig], str]
@@ -226,3 +229,4 @@ class EngineKind:
     weight_sync: Callable[[EngineConfig, Any, PauseMode], WeightSync]
     servers: Callable[[ServerPlan], list[tuple[str, list[str]]]] | None = None
     routed_experts: bool = False  # its engine answers SamplingParams.routed_experts_from (MoE routing replay)
+    before_wait: Callable[[], Any] | None = None

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_tir.openmp import release_idle_threads
+from megatron_tir.rollout.engines.openmp import release_idle_threads
 from megatron_tir.rollout.engines.base import (
     DEFAULT_PAUSE_MODE,
     ContextTooLong,
@@ -104,7 +104,7 @@ class LocalEngineConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager
     decoder: str = "auto"  # slot | hf | auto (slot where the architecture allows); see engines.decoders
     # hand idle OpenMP threads back: the building thread's after loading, the worker's whenever the
-    # engine runs dry (megatron_tir.openmp: two idle teams make every parallel region sleep on 2 cores)
+    # engine runs dry (megatron_tir.rollout.engines.openmp: two idle teams make every parallel region sleep on 2 cores)
     release_idle_threads: bool = True
     # slot decoder with max_batch_size > 2, on CPU in float32: its products run over weights reordered
     # once into oneDNN's blocked layout (~0.54 GB for SmolLM2-135M, instead of the ~0.43 GB of

@@ -41,5 +41,11 @@ def engine_sync(cfg: EngineConfig, engine, pause_mode: PauseMode):
     return LocalWeightSync(engine, pause_mode=pause_mode)
 
 
+def before_wait() -> None:
+    from megatron_tir.rollout.engines.openmp import release_idle_threads
+
+    release_idle_threads()  # the engine steps on its own thread: this one's idle OpenMP team would slow it
+
+
 LOCAL = EngineKind(check=check, where=lambda cfg: f"local engine ({cfg.model})", settings=settings, build=build,
-                   engine_sync=engine_sync, weight_sync=through_rank0)
+                   engine_sync=engine_sync, weight_sync=through_rank0, before_wait=before_wait)

@@ -64,6 +64,9 @@ class CraftedService:
     def take_stale_responses(self) -> int:  # RolloutService's: no engine here, nothing dropped
         return 0
 
+    def waiting(self) -> None:  # RolloutService's: no engine kind here, nothing to hand back
+        pass
+
     def close(self) -> None:
         self._loop.close()
 

@@ -499,7 +499,7 @@ def test_using_an_engine_from_a_second_event_loop_is_a_clear_error(make_engine, 
 @pytest.mark.parametrize("release", [True, False])
 def test_idle_openmp_teams_are_released_by_the_loading_thread_and_by_the_worker_once_idle(
         make_engine, tiny_llama, monkeypatch, release):
-    """The engine hands idle OpenMP teams back (megatron_tir.openmp): the building thread's once
+    """The engine hands idle OpenMP teams back (megatron_tir.rollout.engines.openmp): the building thread's once
     loaded, the worker's each time the engine runs dry -- not after every step -- and neither
     with ``release_idle_threads=False``."""
     import threading

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from megatron_tir.openmp import release_idle_threads
+from megatron_tir.rollout.engines.openmp import release_idle_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's pause is looked up in /proc")
 
@@ -51,3 +51,23 @@ def test_release_outside_any_team_is_harmless():
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert pool.submit(release_idle_threads).result() is True  # a thread that never ran parallel work
     torch.ones(1 << 20).sum()  # the main thread's work still runs afterwards
+
+
+def test_the_local_kind_hands_a_waiting_threads_team_back_and_a_server_kind_does_nothing():
+    """Only the engine kind knows whether a thread that waits for it should give its OpenMP team back
+    (``EngineKind.before_wait``, which ``RolloutService.waiting`` runs): the local engine computes in
+    this process, SGLang's servers elsewhere."""
+    from megatron_tir.rollout.factory import ENGINE_KINDS
+
+    assert ENGINE_KINDS["sglang"].before_wait is None
+
+    def in_a_fresh_thread() -> tuple[int, int]:
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).sum()
+        with_team = os_threads()
+        ENGINE_KINDS["local"].before_wait()
+        return with_team, settle(with_team - 1)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with_team, after = pool.submit(in_a_fresh_thread).result()
+    assert after == with_team - 1
