@@ -37,11 +37,20 @@ def test_every_trained_tokens_version_is_the_weights_that_sampled_it(tiny_dir):
         engine = LocalEngine(LocalEngineConfig(model=str(tiny_dir), eos_token_ids=(0,), seed=0))
         sync = LocalWeightSync(engine, pause_mode=PauseMode.RETRACT)
         await sync.start()
+        steps = [0]  # the engine's decode steps so far, counted on its worker thread (a test-only wrapper)
+        step = engine._step
+
+        def counted(admitted):
+            steps[0] += 1
+            return step(admitted)
+
+        engine._step = counted
         driver = TIRRollout(engine, engine.tokenizer, None, cfg)
         rollout = asyncio.create_task(driver.run([PROBLEM]))
         seen = [engine.weight_version]
-        for weights in sets[1:]:
-            await asyncio.sleep(0.3)  # tokens are being sampled meanwhile
+        for k, weights in enumerate(sets[1:], start=1):
+            while steps[0] < 16 * k and not rollout.done():  # tokens sampled under each version (a sleep raced an idle machine)
+                await asyncio.sleep(0.005)
             seen.append(await sync.update(buckets_of(weights, 64 << 10)))
         groups = await rollout
         await sync.close()
