@@ -287,7 +287,10 @@ def test_zygote_killed_mid_request_is_retried_and_replaced(killable):
             task = asyncio.ensure_future(client.arun("import time; time.sleep(1.0); print('done')", timeout=10))
             busy = await _busy_workers(killable)
             worker_pid = killable.workers[int(busy[0].name.split("-")[1])].pid
-            (zygote,) = psutil.Process(worker_pid).children()
+            deadline = time.monotonic() + 10  # a worker's zygote may be a moment from being listed (CI: none yet)
+            while not (children := psutil.Process(worker_pid).children()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            (zygote,) = children
             zygote.kill()  # as root, from outside: what no cell can do
             return await task, worker_pid, zygote.pid
 
