@@ -61,19 +61,9 @@ from pathlib import Path
 import torch
 
 from megatron_tir.rollout.engines.openmp import release_idle_threads
-from megatron_tir.rollout.engines.base import (
-    DEFAULT_PAUSE_MODE,
-    ContextTooLong,
-    FinishReason,
-    Generation,
-    PauseMode,
-    SamplingParams,
-    bind_event_loop,
-    check_generate_args,
-    check_release,
-    check_resume,
-    pause_mode,
-)
+from megatron_tir.rollout.engines.base import (DEFAULT_PAUSE_MODE, ContextTooLong, FinishReason, Generation, PauseMode,
+                                               SamplingParams, bind_event_loop, check_generate_args, check_release,
+                                               check_resume, pause_mode)
 from megatron_tir.rollout.engines.decoders import HFDecoder, SlotDecoder, supports_slot_decoder
 from megatron_tir.rollout.engines.hf_names import file_named_tensors
 from megatron_tir.rollout.engines.eos import DEFAULT_EXTRA_EOS_TOKENS, resolve_eos_token_ids
