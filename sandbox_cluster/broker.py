@@ -99,6 +99,7 @@ class _Worker:
     instance: str
     exposed: list[str] = field(default_factory=list)
     zygote_restarts: list[int] = field(default_factory=list)
+    pid: int = 0
     in_flight: set[str] = field(default_factory=set)
     last_dispatch: int = 0  # ties on idle slots go to the least recently used worker
 
@@ -271,7 +272,8 @@ class Broker:
         if worker is None:
             worker = _Worker(identity=identity, name=hello.name, slots=hello.slots, free=0,
                              last_seen=time.monotonic(), protections=list(hello.protections),
-                             uids=list(hello.uids), instance=hello.instance, exposed=list(hello.exposed))
+                             uids=list(hello.uids), instance=hello.instance, exposed=list(hello.exposed),
+                             pid=hello.pid)
             for key in adopted:
                 self.tasks[key].worker = identity
             worker.in_flight |= adopted
@@ -359,7 +361,7 @@ class Broker:
         return P.ClusterStatus(
             workers=[P.WorkerInfo(name=w.name, slots=w.slots, free=w.free, in_flight=len(w.in_flight),
                                   protections=w.protections, uids=w.uids, exposed=w.exposed,
-                                  zygote_restarts=w.zygote_restarts)
+                                  zygote_restarts=w.zygote_restarts, pid=w.pid)
                      for w in self.workers.values()],
             queued=len(self.queue),
             in_flight=sum(len(w.in_flight) for w in self.workers.values()),

@@ -200,26 +200,35 @@ class LocalCluster:
                                        f"not registered ({status})")
                 time.sleep(0.05)
 
-    def _wait_ready(self, timeout_s: float, *, starting: bool = True) -> None:
-        """Until every slot is registered and free. While starting, a worker that exits is an error;
-        afterwards (``starting=False``) one the supervisor restarts is waited for (until the timeout)."""
-        want = self.n_workers * self.slots_per_worker
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Until every worker process alive now has registered all its slots idle, and the broker
+        lists no earlier process under a worker's name (a killed worker stays listed, its slots
+        counted free, until it has been silent for the heartbeat liveness). A worker that the
+        supervisor restarts is waited for (until the timeout)."""
         end = time.monotonic() + timeout_s
         with SandboxClient(self.address) as client:
             while True:
                 dead = [i for i, proc in enumerate(self.workers) if proc is not None and proc.poll() is not None]
-                if dead and (starting or not self.restart_workers):
+                if dead and not self.restart_workers:
                     i = dead[0]
-                    raise RuntimeError(f"worker {i} exited with {self.workers[i].returncode} "
-                                       f"{'during start' if starting else 'and is not restarted'} (see log)")
+                    raise RuntimeError(f"worker {i} exited with {self.workers[i].returncode} and is not restarted "
+                                       f"(see log)")
                 if self.broker.poll() is not None:
-                    raise RuntimeError(f"broker exited with {self.broker.returncode} during start")
+                    raise RuntimeError(f"broker exited with {self.broker.returncode}")
                 status = client.status(timeout=max(1.0, end - time.monotonic()))
-                if not dead and sum(w.free for w in status.workers) >= want:  # a dead one: its restart first
+                if not dead and self._all_idle(status):
                     return
                 if time.monotonic() > end:
                     raise RuntimeError(f"cluster not ready after {timeout_s} s: {status}")
                 time.sleep(0.05)
+
+    def _all_idle(self, status: ClusterStatus) -> bool:
+        """Each worker's current process listed once, every slot free, and nothing stale under its name."""
+        with self._lock:
+            current = {f"local-{i}": proc.pid for i, proc in enumerate(self.workers) if proc is not None}
+        listed = [w for w in status.workers if w.name in current]
+        return len(listed) == len(current) and all(
+            w.pid == current[w.name] and w.slots == self.slots_per_worker and w.free >= w.slots for w in listed)
 
     def _supervise(self) -> None:
         while not self._closing.wait(0.2):
@@ -296,7 +305,7 @@ class LocalCluster:
     def wait_workers(self, timeout_s: float = 120.0) -> None:
         """Block until every slot is registered and idle again (e.g. after kill_worker: a worker
         killed a moment ago, not yet seen by the supervisor, is waited for, not an error)."""
-        self._wait_ready(timeout_s, starting=False)
+        self._wait_ready(timeout_s)
 
     def close(self) -> None:
         self._closing.set()

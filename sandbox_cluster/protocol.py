@@ -150,6 +150,7 @@ class WorkerHello(msgspec.Struct, kw_only=True, frozen=True):
     exposed: list[str] = msgspec.field(default_factory=list)  # host paths its cells' root shows (read-only)
     protocol_version: int = PROTOCOL_VERSION
     zygote_restarts: list[int] = msgspec.field(default_factory=list)  # per slot: times its zygote was replaced
+    pid: int = 0  # the worker process on its host (0: not told)
 
 
 class SlotFailure(msgspec.Struct, kw_only=True, frozen=True):
@@ -168,6 +169,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     uids: list[int] = msgspec.field(default_factory=list)
     exposed: list[str] = msgspec.field(default_factory=list)
     zygote_restarts: list[int] = msgspec.field(default_factory=list)  # per slot, as its worker last said
+    pid: int = 0  # the worker process on its host, as it said (0: not told)
 
 
 class ClusterStatus(msgspec.Struct, kw_only=True, frozen=True):

@@ -178,7 +178,7 @@ class Worker:
                               protections=self.protections(), uids=self._uids(), instance=self.instance,
                               exposed=self.exposed(),
                               running=[s.busy_id for s in self.slots if s.busy_id is not None],
-                              zygote_restarts=[s.restarts for s in self.slots])
+                              zygote_restarts=[s.restarts for s in self.slots], pid=os.getpid())
         self.socket.send_multipart([P.KIND_READY, P.encode_msg(hello)])
 
     def _uids(self) -> list[int]:
