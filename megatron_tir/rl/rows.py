@@ -14,6 +14,7 @@ A row (trajectory) plays two roles in an update:
 | tool_failed / aborted        | no         | no (infrastructure, not the model)     |
 | truncated (token budget)     | ``"drop"``: no, else yes | ``"mask"`` / ``"drop"``: no; ``"keep"``: yes |
 | excluded (``excluded_B``: the per-row eval filter) | yes | no |
+| prompt_too_long (``data_error_B``: the engine refused the prompt) | no | no (a data error: no tokens, no reward signal) |
 
 Void rows stay in their group's statistics because SimpleTIR computes advantages over all
 sampled trajectories and only then removes void ones from the loss.
@@ -56,10 +57,12 @@ OVERLONG = ("mask", "keep", "drop")  # "drop": SimpleTIR's released ``remove_cli
 
 
 def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: torch.Tensor, drop_void: bool,
-                overlong: str, excluded_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                overlong: str, excluded_B: torch.Tensor | None = None,
+                data_error_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(stats_B, loss_B)`` booleans per the table above. ``infra_B``: tool_failed or aborted;
     ``excluded_B`` (optional): rows a per-row filter keeps out of the loss
-    (:func:`megatron_tir.train.row_filter.eval_filter_rules`: a row with a rule)."""
+    (:func:`megatron_tir.train.row_filter.eval_filter_rules`: a row with a rule); ``data_error_B``
+    (optional): prompt_too_long rows, kept out of both (a group of only such rows is ``no_counted_rows``)."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     void_B, infra_B, truncated_B = void_B.bool(), infra_B.bool(), truncated_B.bool()
@@ -73,6 +76,8 @@ def row_weights(*, void_B: torch.Tensor, infra_B: torch.Tensor, truncated_B: tor
         loss_B = loss_B & ~truncated_B
     if excluded_B is not None:
         loss_B = loss_B & ~excluded_B.bool()
+    if data_error_B is not None:
+        stats_B, loss_B = stats_B & ~data_error_B.bool(), loss_B & ~data_error_B.bool()
     return stats_B, loss_B
 
 

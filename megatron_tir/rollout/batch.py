@@ -56,6 +56,7 @@ class RowSummaries:
     void_B: torch.Tensor  # bool
     infra_B: torch.Tensor  # bool: ended by infrastructure (megatron_tir.rollout.trajectory.INFRA_STATUSES)
     truncated_B: torch.Tensor  # bool
+    data_error_B: torch.Tensor  # bool: prompt_too_long (the engine refused the prompt: counts nowhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +120,8 @@ def _summaries(rows: Sequence[tuple[int, Trajectory]]) -> RowSummaries:
         group_index_B=torch.tensor([gi for gi, _ in rows], dtype=torch.long),
         void_B=torch.tensor([t.status is FinishStatus.VOID for _, t in rows], dtype=torch.bool),
         infra_B=torch.tensor([t.status in INFRA_STATUSES for _, t in rows], dtype=torch.bool),
-        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for _, t in rows], dtype=torch.bool))
+        truncated_B=torch.tensor([t.status is FinishStatus.TRUNCATED for _, t in rows], dtype=torch.bool),
+        data_error_B=torch.tensor([t.status is FinishStatus.PROMPT_TOO_LONG for _, t in rows], dtype=torch.bool))
 
 
 def row_summaries(groups: Sequence[Group]) -> RowSummaries:

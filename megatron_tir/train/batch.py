@@ -144,7 +144,8 @@ def plan_update(rb: RolloutBatch, *, mode: str, advantage: str | None, overlong:
     when there are fewer groups), in group order."""
     s = rb.rows
     stats_B, loss_B = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B,
-                                  drop_void=MODES[mode].drop_void, overlong=overlong, excluded_B=excluded_B)
+                                  drop_void=MODES[mode].drop_void, overlong=overlong, excluded_B=excluded_B,
+                                  data_error_B=s.data_error_B)
     # advantages over every counted row first: void rows shape their group's statistics
     if advantage is None:
         adv_BT = torch.zeros_like(rb.loss_mask_BT, dtype=torch.float32)

@@ -273,6 +273,7 @@ class Producer:
         s = rb.rows
         metrics |= {"filter/rows": float(rb.tokens_BT.shape[0]), "filter/rows_void": float(s.void_B.sum()),
                     "filter/rows_infra": float(s.infra_B.sum()), "filter/rows_truncated": float(s.truncated_B.sum()),
+                    "filter/rows_prompt_too_long": float(s.data_error_B.sum()),
                     "filter/rows_in_stats": float(plan.stats_B.sum()),
                     "filter/rows_in_loss": float(plan.trained_B.sum()),
                     "train/advantage_abs_mean": float(plan.advantages_B.abs().mean())}

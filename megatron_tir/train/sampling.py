@@ -35,7 +35,7 @@ def group_rules(groups: Sequence[Group], *, drop_zero_std: bool, accuracy_lo: fl
         return []
     s = row_summaries(groups)
     stats_B, _ = row_weights(void_B=s.void_B, infra_B=s.infra_B, truncated_B=s.truncated_B, drop_void=False,
-                             overlong="drop" if overlong == "drop" else "keep")
+                             overlong="drop" if overlong == "drop" else "keep", data_error_B=s.data_error_B)
     rules = []
     for g in range(len(groups)):  # one group at a time: which rule removed it
         rows = s.group_index_B == g

@@ -9,7 +9,8 @@ import pytest
 import torch
 from crafted_rollouts import A, C, F, T, V, group
 
-from megatron_tir.rollout.batch import collate
+from megatron_tir.rollout.batch import Group, collate
+from megatron_tir.rollout.trajectory import FinishStatus, Trajectory
 from megatron_tir.train.batch import build_update, deal_rows, mini_batches, plan_update
 from megatron_tir.train.sampling import collect_groups, filter_groups
 
@@ -126,3 +127,29 @@ def test_rows_are_dealt_per_mini_batch_longest_first_and_an_empty_share_gets_a_s
                        overlong="mask", mini_batches=1)
     shares = deal_rows(lone.rows, 3)
     assert [s.batch_size for s in shares] == [1, 1, 1] and float(shares[2].loss_mask_BT.sum()) == 0.0
+
+
+def _too_long(gid: int, n: int):
+    """A group whose prompt the engine refused: reward 0, no response tokens (as the driver leaves it)."""
+    trajs = [Trajectory(group_id=gid, sample_index=i, prompt_ids=[1, 2]) for i in range(n)]
+    for t in trajs:
+        t.status, t.reward = FinishStatus.PROMPT_TOO_LONG, 0.0
+    return Group(group_id=gid, problem=None, trajectories=trajs)
+
+
+def test_prompt_too_long_rows_count_nowhere():
+    """A data error is not a reward of 0: such rows enter neither a group's statistics nor the loss, and a
+    group of only such rows is dropped (no counted rows), not kept with zero advantages."""
+    mixed = _too_long(0, 2)  # the rule on a mixed group (the driver refuses a prompt for all its samples)
+    mixed.trajectories[:0] = group(0, (C, 1.0), (C, 0.0)).trajectories
+    for i, t in enumerate(mixed.trajectories):
+        t.sample_index = i
+    groups = [mixed, _too_long(1, 2)]
+    plan = plan_update(collate(groups, pad_id=0), mode="simpletir", advantage="grpo", overlong="mask",
+                       mini_batches=1)
+    assert plan.stats_B.tolist() == [True, True, False, False, False, False]
+    assert plan.trained_B.tolist() == [True, True, False, False, False, False]
+    # GRPO over {1, 0}: +-0.5 / sqrt(1/2) (with the two zeros counted it would be 1.5 and -0.5)
+    torch.testing.assert_close(plan.advantages_B, torch.tensor([0.7071, -0.7071, 0, 0, 0, 0]), atol=1e-4, rtol=0)
+    kept, removed = filter_groups(groups, drop_zero_std=False, accuracy_lo=0.0, accuracy_hi=1.0)
+    assert [g.group_id for g in kept] == [0] and removed["no_counted_rows"] == 1
