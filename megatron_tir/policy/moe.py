@@ -73,6 +73,7 @@ def moe_config_kwargs(spec: ModelSpec, *, ep: int, etp: int, on_gpu: bool,
         moe_grouped_gemm=bool(settings.grouped_gemm),
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        moe_expert_capacity_factor=None,  # dropless, as transformers' Qwen3-MoE: every token reaches its top-k
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )

@@ -21,8 +21,10 @@ Full activation recomputation: megatron-core runs a checkpointed layer's forward
 and again, with grad, in backward (``tensor_parallel.random.CheckpointFunction``); the recomputation
 replays the targets its forward used, first in first out per layer (what megatron-core's
 ``REPLAY_BACKWARD`` queue does), and neither records nor counts. It needs every layer of the stage
-checkpointed (``recompute_method=uniform``, or ``block`` over all of them). Not covered: token
-dropping (capacity factors).
+checkpointed (``recompute_method=uniform``, or ``block`` over all of them). Token dropping does not
+arise: the learner's MoE is dropless (``moe.moe_config_kwargs``: no capacity factor, as transformers'
+Qwen3-MoE), so the replayed top-k is the whole routing; a capacity factor would need the drop
+decisions recorded too.
 """
 
 from __future__ import annotations
