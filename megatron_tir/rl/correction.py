@@ -39,22 +39,37 @@ staleness), what the deprecated ``trainer.async.correction`` / ``trainer.async.c
 ``tis`` with ``high`` 2 and ``low`` 0, the decoupled objective's truncated weight. With identical log-probs every weight is exactly 1 and
 nothing is rejected (``low <= 1 <= high``).
 
-Metrics (every mode, ``none`` included; over the loss tokens before rejection): ``log_ratio_mean``
-(signed mean of ``d``), ``log_ratio_abs_mean`` / ``log_ratio_abs_max``, ``k3_kl`` (mean of
-``rho - d - 1``: the k3 estimate of KL(engine || learner), verl's ``compute_offpolicy_metrics``),
-``weight_mean`` (the applied weight over the tokens kept), ``weight_max`` (the largest untruncated
-weight of the mode's level), ``clipped_share``, ``rejected_share`` and per turn ``K`` (turn 0 is
-before any tool output) ``k3_kl_turn_K`` / ``log_ratio_abs_mean_turn_K``. They come as sums and
-counts (``means``) and maxima, so they add up over data-parallel replicas.
+``token_veto`` (verl ``rollout_token_veto_threshold``: step 4 of
+``compute_rollout_correction_and_rejection_mask``; default None, off), with every mode: a row any of
+whose loss tokens has an unclamped ``old_t - engine_t < log(token_veto)`` leaves the loss entirely
+(its tokens count as rejected, their weights 0), whatever the mode decided for the rest.
+
+``batch_normalize`` (verl ``rollout_is_batch_normalize`` in ``compute_rollout_correction_weights``;
+tis / seq_tis only): the truncated weights divided by their mean over the step's loss tokens (tis) or
+rows, one weight a row (seq_tis), so that mean is 1 (a mean <= 1e-8 leaves them, as verl). The sum and
+the count are all-reduced over the data-parallel group (``local_rows``: as verl's
+``distributed_masked_mean`` and the loss's token count), so every replica divides by the same batch
+mean. The mean runs over the tokens the veto kept (verl normalises before its veto).
+
+Metrics (every mode, ``none`` included; :mod:`megatron_tir.rl.correction_metrics` says each one): the
+log-ratio (``log_ratio_mean``, ``log_ratio_abs_mean`` / ``_max``), ``k3_kl``, the chi-square
+estimates ``chi2_token`` / ``chi2_seq`` and the perplexities ``learner_ppl`` / ``engine_ppl`` /
+``log_ppl_diff`` (verl's ``compute_offpolicy_metrics``), ``weight_mean`` / ``weight_max``,
+``clipped_share``, ``rejected_share``, ``veto_share``, ``batch_norm_factor`` (the mean divided by) and
+per turn ``K`` (turn 0 is before any tool output) ``k3_kl_turn_K`` / ``log_ratio_abs_mean_turn_K``.
+They come as sums and counts (``means``) and maxima, so they add up over data-parallel replicas.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-SAFETY_BOUND = 20.0  # |log-ratio| bound before exp (verl rollout_corr_helper.py, slime mis.py)
+from megatron_tir.rl.correction_metrics import SAFETY_BOUND, add_metrics  # SAFETY_BOUND: also slime mis.py's
+
 IS_MODES = ("tis", "seq_tis")  # the weight is truncated
 REJECTION_MODES = ("mis", "seq_mis", "geo_rs")  # tokens or rows outside [low, high] leave the loss
 CORRECTION_MODES = ("none", *IS_MODES, *REJECTION_MODES)
@@ -76,6 +91,12 @@ class CorrectionConfig:
     mode: str = "auto"
     high: float = 2.0  # upper bound of the weight (tis: the truncation C, slime --tis-clip; mis: the rejection bound)
     low: float | None = None  # lower bound; None: 0 for tis / seq_tis (no lower clip), 1 / high for the rejections
+    # catastrophic-token veto (verl rollout_token_veto_threshold), every mode: a row any of whose loss tokens has
+    # rho < token_veto leaves the loss entirely; in (0, 1]; None: off
+    token_veto: float | None = None
+    # tis / seq_tis: the truncated weights divided by their mean over the step's loss tokens (tis) or rows (seq_tis),
+    # summed over every data-parallel replica, so that mean is 1 (verl rollout_is_batch_normalize)
+    batch_normalize: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", *CORRECTION_MODES):
@@ -84,6 +105,12 @@ class CorrectionConfig:
             raise ValueError(f"high must be >= 1 (a weight of 1 is never corrected), got {self.high}")
         if self.low is not None and not 0 <= self.low <= 1:
             raise ValueError(f"low must be in [0, 1] (a weight of 1 is never corrected), got {self.low}")
+        if self.token_veto is not None and not 0 < self.token_veto <= 1:
+            raise ValueError(f"token_veto must be in (0, 1] (a weight of 1 is never vetoed) or None, "
+                             f"got {self.token_veto}")
+        if self.batch_normalize and self.mode not in IS_MODES:
+            raise ValueError(f"batch_normalize needs mode tis or seq_tis (it normalises their weights), "
+                             f"got mode={self.mode}")
 
     @property
     def lower(self) -> float:
@@ -97,7 +124,8 @@ class CorrectionConfig:
         ``trainer.async.correction`` / ``trainer.async.cap`` say (by default clamp at 2: ``tis``, high 2, low 0)."""
         if self.mode != "auto":
             return self
-        return CorrectionConfig(mode="none") if async_mode == "off" else from_async_alias(async_correction, async_cap)
+        mode = CorrectionConfig(mode="none") if async_mode == "off" else from_async_alias(async_correction, async_cap)
+        return dataclasses.replace(mode, token_veto=self.token_veto)  # the veto goes with every mode
 
     def check_async_alias(self, async_correction: str, async_cap: float) -> None:
         """ValueError where this config and the deprecated ``trainer.async.correction`` / ``cap`` both say
@@ -145,16 +173,20 @@ class Correction:
 
 
 def correct(old_logprobs_BT: torch.Tensor, engine_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor,
-            config: CorrectionConfig, *, turn_index_BT: torch.Tensor | None = None) -> Correction:
+            config: CorrectionConfig, *, turn_index_BT: torch.Tensor | None = None,
+            local_rows: bool = False) -> Correction:
     """The correction ``config`` (resolved: not ``auto``) of the loss tokens (``loss_mask_BT > 0``) and its
-    metrics; ``turn_index_BT``: the turn of each model token (-1 elsewhere) for the per-turn metrics."""
+    metrics; ``turn_index_BT``: the turn of each model token (-1 elsewhere) for the per-turn metrics;
+    ``local_rows``: the rows are this data-parallel replica's share (``batch_normalize`` sums over the group:
+    every replica's rank calls this)."""
     mode = config.mode
     if mode not in CORRECTION_MODES:
         raise ValueError(f"correction mode must be one of {', '.join(CORRECTION_MODES)}, got {mode!r}")
     on_BT = loss_mask_BT > 0
     on = on_BT.float()
-    d_BT = (old_logprobs_BT.float() - engine_logprobs_BT.float()).clamp(-SAFETY_BOUND, SAFETY_BOUND).detach()
-    d_BT = torch.where(on_BT, d_BT, torch.zeros_like(d_BT))  # padding / feedback log-probs are not the engine's
+    raw_BT = (old_logprobs_BT.float() - engine_logprobs_BT.float()).detach()
+    raw_BT = torch.where(on_BT, raw_BT, torch.zeros_like(raw_BT))  # padding / feedback log-probs are not the engine's
+    d_BT = raw_BT.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if mode in ("seq_tis", "seq_mis"):
         level_BT = (d_BT * on).sum(1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND).expand_as(d_BT)
     elif mode == "geo_rs":
@@ -165,44 +197,60 @@ def correct(old_logprobs_BT: torch.Tensor, engine_logprobs_BT: torch.Tensor, los
     low, high = config.lower, config.high
     outside_BT = ((rho_BT < low) | (rho_BT > high)) & on_BT
     none_BT = torch.zeros_like(on_BT)
-    weights_BT, mask_BT, clipped_BT, rejected_BT = None, loss_mask_BT, none_BT, none_BT
+    weights_BT, clipped_BT, rejected_BT = None, none_BT, none_BT
     if mode in IS_MODES:
         weights_BT, clipped_BT = rho_BT.clamp(low, high), outside_BT
     elif mode in REJECTION_MODES:
         rejected_BT = outside_BT
-        mask_BT = loss_mask_BT * (~rejected_BT).to(loss_mask_BT.dtype)
         if mode != "geo_rs":
-            weights_BT = torch.where(rejected_BT, torch.zeros_like(rho_BT), rho_BT)
+            weights_BT = rho_BT
+    vetoed_B = torch.zeros(on_BT.shape[0], dtype=torch.bool, device=on_BT.device)
+    if config.token_veto is not None:  # verl: the unclamped log-ratio below log(threshold), on a loss token
+        vetoed_B = ((raw_BT < math.log(config.token_veto)) & on_BT).any(1)
+        rejected_BT = rejected_BT | (vetoed_B[:, None] & on_BT)
+        clipped_BT = clipped_BT & ~rejected_BT
+    mask_BT = loss_mask_BT * (~rejected_BT).to(loss_mask_BT.dtype)
+    if weights_BT is not None:
+        weights_BT = torch.where(rejected_BT, torch.zeros_like(weights_BT), weights_BT)
+    factor = None
+    if config.batch_normalize:
+        weights_BT, factor = _batch_normalize(weights_BT, on_BT & ~rejected_BT, row_level=mode == "seq_tis",
+                                              local_rows=local_rows)
     out = Correction(weights_BT=weights_BT, loss_mask_BT=mask_BT, rho_BT=rho_BT, clipped_BT=clipped_BT,
                      rejected_BT=rejected_BT)
     if bool(on_BT.any()):
-        _add_metrics(out, d_BT, on_BT, turn_index_BT)
+        add_metrics(out.means, out.maxima, old_logprobs_BT=old_logprobs_BT, engine_logprobs_BT=engine_logprobs_BT,
+                    d_BT=d_BT, on_BT=on_BT, rho_BT=rho_BT, weights_BT=weights_BT, clipped_BT=clipped_BT,
+                    rejected_BT=rejected_BT, vetoed_B=vetoed_B, turn_index_BT=turn_index_BT)
+        if factor is not None:
+            out.maxima["batch_norm_factor"] = factor
     return out
 
 
-def _add_metrics(c: Correction, d_BT: torch.Tensor, on_BT: torch.Tensor, turn_index_BT: torch.Tensor | None) -> None:
-    def mean(name: str, values: torch.Tensor) -> None:
-        c.means[name] = (float(values.double().sum()), float(values.numel()))
+def _batch_normalize(weights_BT: torch.Tensor, kept_BT: torch.Tensor, *, row_level: bool,
+                     local_rows: bool) -> tuple[torch.Tensor, float]:
+    """``weights_BT`` over their mean on the kept tokens (``row_level``: the kept rows' weights, one a row),
+    summed over the data-parallel group with ``local_rows``; the weights unchanged where that mean is at
+    most 1e-8 (verl). Returns the weights and the mean divided by."""
+    if row_level:  # every kept token of a row carries the row's weight
+        rows_B = kept_BT.any(1)
+        w_B = (weights_BT * kept_BT).sum(1) / kept_BT.sum(1).clamp_min(1)
+        totals = torch.stack([w_B[rows_B].double().sum(), rows_B.double().sum()])
+    else:
+        totals = torch.stack([weights_BT[kept_BT].double().sum(), kept_BT.double().sum()])
+    if local_rows and torch.distributed.is_initialized():
+        from megatron.core import parallel_state
 
-    d = d_BT[on_BT]
-    d64_BT = d_BT.double()
-    k3_BT = torch.expm1(d64_BT) - d64_BT  # rho - d - 1, exact to ~d^2/2 (float32 rounds a 1e-6 gap to 0 or below)
-    mean("log_ratio_mean", d)
-    mean("log_ratio_abs_mean", d.abs())
-    mean("k3_kl", k3_BT[on_BT])
-    mean("clipped_share", c.clipped_BT[on_BT].float())
-    mean("rejected_share", c.rejected_BT[on_BT].float())
-    kept_BT = on_BT & ~c.rejected_BT
-    w_BT = torch.ones_like(d_BT) if c.weights_BT is None else c.weights_BT
-    mean("weight_mean", w_BT[kept_BT])
-    c.maxima["log_ratio_abs_max"] = float(d.abs().max())
-    c.maxima["weight_max"] = float(c.rho_BT[on_BT].max())
-    if turn_index_BT is not None:
-        turns_BT = torch.where(on_BT, turn_index_BT, torch.full_like(turn_index_BT, -1))
-        for k in sorted(int(k) for k in turns_BT.unique() if k >= 0):
-            in_k = turns_BT == k
-            mean(f"k3_kl_turn_{k}", k3_BT[in_k])
-            mean(f"log_ratio_abs_mean_turn_{k}", d_BT[in_k].abs())
+        if parallel_state.get_data_parallel_world_size() > 1:  # every replica's rows: one mean, the same factor
+            group = parallel_state.get_data_parallel_group()  # NCCL needs the operand on this rank's GPU
+            nccl = torch.distributed.get_backend(group) == "nccl"
+            totals = totals.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            torch.distributed.all_reduce(totals, group=group)
+    total, count = totals.tolist()
+    mean = total / count if count else 0.0
+    if not mean > 1e-8:
+        return weights_BT, 1.0
+    return weights_BT / mean, mean
 
 
 def named_stats(c: Correction, *, legacy: bool = False) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:

@@ -196,7 +196,7 @@ class PolicyGradient:
             stats = stats.merge(family_stats)
         if tc.ppo.old_logprobs == "learner":  # the learner's recompute against the engine's: the gap (async: staleness too)
             c = correct(old_BT, rows.engine_logprobs_BT, update.batch.loss_mask_BT, self.correction,
-                        turn_index_BT=rows.turn_index_BT)
+                        turn_index_BT=rows.turn_index_BT, local_rows=True)
             update.batch = dataclasses.replace(update.batch, loss_mask_BT=c.loss_mask_BT,
                                                extras=update.batch.extras | c.extras())
             means, maxima = named_stats(c, legacy=tc.asynchrony.mode != "off")
