@@ -23,9 +23,12 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
+
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
+# what an sft run writes into its directory (a directory holding only these and no checkpoint can be reused)
+RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log")
 
 
 def _rank() -> int:
@@ -92,34 +95,19 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace):
     """(config, run dir, trainer state) from the arguments; ValueError on bad input."""
     from megatron_tir.sft.config import SFTConfig, apply_overrides, from_dict, load_sft_recipe, to_dict
-    from megatron_tir.train import checkpoint_integrity as integrity
     from megatron_tir.train.checkpoint import STATE, TrainerState
 
     overrides = list(args.overrides)
     if args.model:
         overrides.insert(0, f"model={args.model}")
-    if args.resume is None:
-        if not args.out:
-            raise ValueError("sft needs --out RUN_DIR (or --resume RUN_DIR)")
-        run_dir = Path(args.out)
-        _check_out_dir(run_dir)
-        cfg = apply_overrides(load_sft_recipe(args.recipe) if args.recipe else SFTConfig(), overrides)
-        state = TrainerState()
-    else:
-        if args.out:
-            raise ValueError("--out is only used for a new run (a resumed run stays in its directory)")
-        run_dir = Path(args.resume)
-        path = run_dir / CONFIG_FILE
-        if not path.is_file():
-            raise ValueError(f"--resume {run_dir}: no {CONFIG_FILE} (not a run directory)")
-        try:
-            cfg = from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}: not an sft run's config ({exc})") from None
-        cfg = apply_overrides(cfg, overrides)
-        found = integrity.candidates(run_dir / "checkpoints")
-        if not found:
-            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet")
+    run_dir, cfg, found, _ = open_run_dir(
+        args.out, args.resume, parse=from_dict, update=lambda cfg: apply_overrides(cfg, overrides),
+        fresh=lambda: apply_overrides(load_sft_recipe(args.recipe) if args.recipe else SFTConfig(), overrides),
+        run_entries=RUN_ENTRIES, needs_out="sft needs --out RUN_DIR (or --resume RUN_DIR)",
+        out_on_resume="--out is only used for a new run (a resumed run stays in its directory)",
+        bad_config="{path}: not an sft run's config ({exc})")
+    state = TrainerState()
+    if args.resume is not None:
         state = TrainerState(**json.loads((found[0] / STATE).read_text()))
         if state.step >= cfg.steps:
             raise RunFinished(f"{run_dir} has done all its {state.step} steps: nothing to do (continue it with "
@@ -133,21 +121,6 @@ def prepare(args: argparse.Namespace):
             raise ValueError(f"--data {name}: no such file")
     state.config = to_dict(cfg)
     return cfg, run_dir, state
-
-
-def _check_out_dir(run_dir: Path) -> None:
-    from megatron_tir.train import checkpoint_integrity as integrity
-
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} exists and is not a directory")
-    if integrity.candidates(run_dir / "checkpoints"):
-        raise ValueError(f"--out {run_dir} holds a run with checkpoints (continue it with --resume {run_dir})")
-    foreign = sorted(p.name for p in run_dir.iterdir()
-                     if p.name not in (CONFIG_FILE, "metrics.jsonl", "tb", "checkpoints", "plots", "train.log"))
-    if foreign:
-        raise ValueError(f"--out {run_dir} exists and is not a run directory (it holds {', '.join(foreign[:3])})")
 
 
 def run_sft_command(args: argparse.Namespace) -> int:

@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
+
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
-CHECKPOINTS_DIR = "checkpoints"
 # what a run writes into its directory (a directory holding only these and no checkpoint can be reused)
 RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "rollouts", "wandb",
                "mlruns", "wandb_run_id", "mlflow_run_id")
@@ -89,37 +89,30 @@ class RunFinished(Exception):
 
 def prepare(args: argparse.Namespace):
     """(config, run dir, trainer state, overrides to record) from the arguments; ValueError on bad input."""
-    from megatron_tir.train import checkpoint_integrity as integrity
     from megatron_tir.train.checkpoint import STATE, TrainerState
     from megatron_tir.train.config import apply_overrides, from_dict, to_dict
     from megatron_tir.train.preflight import check_resume, check_start
 
     overrides = overrides_of(args)
-    if args.resume is None:
-        if not args.out:
-            raise ValueError(f"{'--recipe' if args.recipe is not None else '--config'} needs --out RUN_DIR")
-        run_dir = Path(args.out)
-        _check_out_dir(run_dir)
-        cfg = fresh_config(args)
-        state = TrainerState()
-    else:
-        if args.out:
-            raise ValueError("--out is only used with --recipe or --config (a resumed run stays in its directory)")
-        run_dir = Path(args.resume)
-        config_path = run_dir / CONFIG_FILE
-        if not config_path.is_file():
-            raise ValueError(f"--resume {run_dir}: no {CONFIG_FILE} (not a run directory)")
-        try:
-            cfg = from_dict(json.loads(config_path.read_text()))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{config_path}: {exc}") from None
-        before, cfg = cfg, apply_overrides(cfg, overrides)
+
+    def update(recorded):  # a resume: the overrides on the run's config, each change logged
+        cfg = apply_overrides(recorded, overrides)
         if _rank() == 0:
-            for line in config_changes(to_dict(before), to_dict(cfg)):
-                log.info("resume %s: %s", run_dir, line)
-        if not integrity.candidates(run_dir / CHECKPOINTS_DIR):
-            raise ValueError(f"--resume {run_dir}: the run has no checkpoint yet (a directory without one is "
-                             f"reused by --recipe NAME --out {run_dir}, which starts it fresh)")
+            for line in config_changes(to_dict(recorded), to_dict(cfg)):
+                log.info("resume %s: %s", Path(args.resume), line)
+        return cfg
+
+    run_dir, cfg, _, reused = open_run_dir(
+        args.out, args.resume, fresh=lambda: fresh_config(args), parse=from_dict, update=update,
+        run_entries=RUN_ENTRIES, launcher_entries=LAUNCHER_ENTRIES,
+        needs_out=f"{'--recipe' if args.recipe is not None else '--config'} needs --out RUN_DIR",
+        out_on_resume="--out is only used with --recipe or --config (a resumed run stays in its directory)",
+        no_checkpoint="--resume {run_dir}: the run has no checkpoint yet (a directory without one is reused by "
+                      "--recipe NAME --out {run_dir}, which starts it fresh)")
+    if reused:
+        log.warning("--out %s: reusing a run directory that holds no checkpoint; the run starts fresh", run_dir)
+    state = TrainerState()
+    if args.resume is not None:
         latest = check_resume(run_dir, cfg)  # before anything slow (megatron_tir.train.preflight)
         state = TrainerState(**json.loads((latest / STATE).read_text()))
     check_start(cfg)  # model, layout, data: before anything slow starts (megatron_tir.train.preflight)
@@ -151,25 +144,6 @@ def config_changes(before: dict, after: dict) -> list[str]:
     old, new = _flat(before), _flat(after)
     return [f"{key} {json.dumps(old.get(key))} -> {json.dumps(value)}" for key, value in new.items()
             if old.get(key) != value]
-
-
-def _check_out_dir(run_dir: Path) -> None:
-    """``--out`` is new, or a run directory without a checkpoint (a failed or early-stopped start: it is
-    reused and started fresh), or holds only what the launcher put there; ValueError otherwise."""
-    from megatron_tir.train import checkpoint_integrity as integrity
-
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} exists and is not a directory")
-    if integrity.candidates(run_dir / CHECKPOINTS_DIR):
-        raise ValueError(f"--out {run_dir} holds a run with checkpoints (continue it with --resume {run_dir})")
-    entries = {p.name for p in run_dir.iterdir()}
-    foreign = sorted(entries - set(LAUNCHER_ENTRIES) - set(RUN_ENTRIES))
-    if foreign:
-        raise ValueError(f"--out {run_dir} exists and is not a run directory (it holds {', '.join(foreign[:3])})")
-    if entries - set(LAUNCHER_ENTRIES):
-        log.warning("--out %s: reusing a run directory that holds no checkpoint; the run starts fresh", run_dir)
 
 
 def run_train_command(args: argparse.Namespace) -> int:
