@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # what an sft run writes into its directory (a directory holding only these and no checkpoint can be reused)
 RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log")
+RANK0_FIRST_S = 30.0  # how long a rank other than 0 keeps its bad-input error to itself (_after_rank0)
 
 
 def _rank() -> int:
@@ -119,11 +121,42 @@ def prepare(args: argparse.Namespace):
     for name in cfg.data:
         if not Path(name).is_file():
             raise ValueError(f"--data {name}: no such file")
+    check_layout(cfg)
     state.config = to_dict(cfg)
     return cfg, run_dir, state
 
 
+def check_layout(cfg, world_size: int | None = None) -> None:
+    """ValueError unless the ranks (``WORLD_SIZE``, torchrun's; 1 without it) split into learner.tp x learner.pp
+    groups and every data-parallel replica gets a row of each step: before the data is read or a process starts."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    tp, pp = cfg.learner.tp, cfg.learner.pp
+    if world % (tp * pp):
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of learner.tp x learner.pp = {tp * pp}")
+    dp = world // (tp * pp)
+    if cfg.rows_per_step < dp:
+        raise ValueError(f"rows_per_step={cfg.rows_per_step} is fewer than the {dp} data-parallel replicas")
+
+
 def run_sft_command(args: argparse.Namespace) -> int:
+    """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone (:func:`_after_rank0`)."""
+    try:
+        return _run_sft(args)
+    except ValueError:
+        if _rank() != 0:
+            _after_rank0()
+        raise
+
+
+def _after_rank0() -> None:
+    """Wait (up to ``RANK0_FIRST_S``) for the launcher to end this rank. Bad input fails every rank alike; rank 0 says it
+    and exits 2, and torchrun then ends the other ranks (SIGTERM) at once, naming rank 0 the root cause. A rank
+    that exited first would be the root cause instead, and rank 0 could be ended before its line is out. A rank
+    still running after that failed alone: it says its own line."""
+    time.sleep(RANK0_FIRST_S)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
     from megatron_tir.finite import NonFiniteTraining
     from megatron_tir.sft.loop import run_sft
 

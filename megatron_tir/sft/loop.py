@@ -96,7 +96,6 @@ def run_sft(cfg: SFTConfig, run_dir: Path, state: TrainerState, *, resume: bool)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
                   timeout_s=cfg.collective_timeout_s, model_parallel_timeout_s=cfg.collective_timeout_s)
     try:
-        _check_layout(cfg)
         learner = Learner(cfg.learner)
         log.info("sft data: %d trajectories (%d model tokens, %d feedback tokens) from %d file(s); %d cut to "
                  "max_tokens=%d, %d dropped (no model token left)", len(examples),
@@ -128,14 +127,6 @@ def load_data(cfg: SFTConfig) -> tuple[list[Example], int, int]:
     if not examples:
         raise ValueError(f"no trajectory has a model token within max_tokens={cfg.max_tokens}")
     return examples, cut, dropped
-
-
-def _check_layout(cfg: SFTConfig) -> None:
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    if cfg.rows_per_step < dp:
-        raise ValueError(f"rows_per_step={cfg.rows_per_step} is fewer than the {dp} data-parallel replicas")
 
 
 def _loop(cfg: SFTConfig, run_dir: Path, state: TrainerState, learner, examples: list[Example],

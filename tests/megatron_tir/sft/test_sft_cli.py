@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,24 @@ def test_bad_input_is_one_line(tmp_path):
                         "--out", str(tmp_path / "r2")), "bad.jsonl:2", "loss_mask has 1 entries for 2")
     _one_line_error(cli("sft", "--recipe", "tiny-cpu-sft", "--data", str(tmp_path / "bad.jsonl"),
                         "--set", "rows_per_step=0", "--out", str(tmp_path / "r3")), "rows_per_step")
+
+
+@pytest.mark.slow
+def test_a_bad_layout_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Two ranks, two data-parallel replicas, one row a step: rank 0 says so in one line and exits 2, the other
+    rank says nothing; torchrun's report names rank 0 (exit 2) the root cause (torchrun itself exits 1 whenever
+    a rank fails, with its ChildFailedError report); nothing is written."""
+    data = _records(tmp_path / "good.jsonl")
+    p = subprocess.run([str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m",
+                        "megatron_tir.cli", "sft", "--recipe", "tiny-cpu-sft", "--data", str(data),
+                        "--set", "rows_per_step=1", "--out", str(tmp_path / "run")],
+                       env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    errors = [line for line in p.stderr.splitlines() if "megatron-tir:" in line]
+    assert errors == ["megatron-tir: error: rows_per_step=1 is fewer than the 2 data-parallel replicas"], p.stderr
+    assert p.returncode == 1 and "ChildFailedError" in p.stderr
+    root = p.stderr.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)", root) and re.search(r"exitcode\s*: 2 ", root), root
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -83,3 +83,21 @@ def test_resume_continues_from_the_latest_checkpoint_or_says_the_run_is_done(tmp
     assert run_dir == run and (state.step, state.data_position) == (3, 12) and cfg.steps == 5
     with pytest.raises(ValueError, match=r"^steps: 'x' is not an int"):  # the overrides' own words
         prepare(_args(recipe=None, resume=str(run), data=[data], overrides=["steps=x"]))
+
+
+def test_the_layout_is_checked_against_world_size_before_the_data_is_read(tmp_path, data, monkeypatch):
+    """Rows per step against torchrun's WORLD_SIZE (data-parallel replicas = WORLD_SIZE / (tp x pp)); the data
+    file is empty, so only the layout can refuse here."""
+    args = _args(out=str(tmp_path / "r"), data=[data], overrides=["rows_per_step=2"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"^rows_per_step=2 is fewer than the 4 data-parallel replicas$"):
+        prepare(args)
+    args.overrides += ["learner.tp=2"]  # 2 replicas of TP 2: one row each
+    cfg, _, _ = prepare(args)
+    assert (cfg.learner.tp, cfg.rows_per_step) == (2, 2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE=3 is not a multiple of learner.tp x learner.pp = 2$"):
+        prepare(args)
+    monkeypatch.delenv("WORLD_SIZE")  # one process: one replica
+    assert prepare(_args(out=str(tmp_path / "r"), data=[data], overrides=["rows_per_step=1"]))[0].rows_per_step == 1
+    assert not (tmp_path / "r").exists()
