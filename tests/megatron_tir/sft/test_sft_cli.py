@@ -150,6 +150,8 @@ def test_tensor_parallel_sft_has_the_single_process_losses(tmp_path):
                            "megatron_tir.cli", "sft", *common, "--set", "learner.tp=2", "--out", str(tmp_path / "tp2")],
                           env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT))
     assert "tp=2 pp=1 dp=1" in p.stderr  # the learner's "ready" line: the layout really is TP 2
+    # INFO lines once (rank 0's; the other rank logs from WARNING up)
+    assert p.stderr.count("learner ready:") == 1 and p.stderr.count("sft step 3/3") == 1, p.stderr[-3000:]
     one, tp2 = metrics(tmp_path / "one"), metrics(tmp_path / "tp2")
     assert sorted(tp2) == sorted(one) == [1, 2, 3]
     for step in one:

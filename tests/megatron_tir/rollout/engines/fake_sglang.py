@@ -279,6 +279,8 @@ class FakeSGLangServer(WeightUpdateEndpoints):
                  "is_pause": self.is_pause, "weight_version": self.weight_version,
                  "memory_released": sorted(self.memory_released), "contract_errors": self.contract_errors,
                  "received": self.received}
+        if self.engine is not None:  # tokens sampled so far by each request the backend holds (tests wait on it)
+            state["sampled"] = [len(r.token_ids) for r in list(self.engine._live)]
         if request.query.get("weights") and self.engine is not None:
             import hashlib
 

@@ -74,6 +74,19 @@ def fake_state(url: str) -> dict:
         return json.loads(response.read())
 
 
+async def until_sampled(servers, tokens: int, *, unless: asyncio.Task | None = None, timeout_s: float = 60) -> None:
+    """Until a request one of the servers holds has sampled ``tokens`` tokens (or ``unless`` is done):
+    a sync then lands mid-request however fast or loaded the machine is (a fixed sleep raced both)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (unless is not None and unless.done()):
+        states = await asyncio.gather(*(asyncio.to_thread(fake_state, s.url) for s in servers))
+        if any(n >= tokens for state in states for n in state["sampled"]):
+            return
+        assert loop.time() < deadline, f"no request sampled {tokens} tokens within {timeout_s} s: {states}"
+        await asyncio.sleep(0.01)
+
+
 def engine_and_sync(servers, **sync_overrides) -> tuple[SGLangEngine, DistributedWeightSync]:
     engine = SGLangEngine(SGLangEngineConfig(server_urls=tuple(s.url for s in servers), eos_token_ids=(0,),
                                              health_check_interval_s=0))
@@ -148,9 +161,8 @@ def test_a_retracted_request_records_the_versions_it_crossed(servers, new_weight
         engine, sync = engine_and_sync(servers, pause_mode=PauseMode.RETRACT)
         async with engine:
             await sync.start()
-            # long enough to be still running at the sync on a fast machine
             task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_new_tokens=1500, seed=2)))
-            await asyncio.sleep(0.5)
+            await until_sampled(servers, 16)  # the sync lands mid-request
             new = await sync.update(buckets_of(weights, 64 << 10))  # the servers' next version (module-wide count)
             out = await task
             await sync.close()
@@ -212,8 +224,9 @@ def test_every_trained_tokens_version_is_the_weights_that_sampled_it(servers, ti
             driver = TIRRollout(engine, AutoTokenizer.from_pretrained(tiny_qwen2), None, cfg)
             rollout = asyncio.create_task(driver.run([problem]))
             seen = [first]
-            for weights in sets[1:]:
-                await asyncio.sleep(0.1)  # tokens are being sampled meanwhile (200 tokens take longer on a fast CPU)
+            for k, weights in enumerate(sets[1:], start=1):
+                # tokens sampled under each version (0.1 s sleeps raced: all done before, or none started)
+                await until_sampled(servers, 16 * k, unless=rollout)
                 seen.append(await sync.update(buckets(weights, 64 << 10)))
             groups = await rollout
             await sync.close()
@@ -254,7 +267,7 @@ def test_a_retracted_request_is_the_tokens_before_plus_after_the_pause(servers, 
             first = await sync.update(buckets_of(old, 64 << 10))  # known weights under a version of ours
             reference = await engine.generate(PROMPT, params)
             task = asyncio.create_task(engine.generate(PROMPT, params))
-            await asyncio.sleep(0.5)  # long enough to be still running at the sync on a fast machine
+            await until_sampled(servers, 16)  # running, with tokens before the pause
             await engine.pause(mode=PauseMode.IN_PLACE)
             refused = []
             for s in servers:
