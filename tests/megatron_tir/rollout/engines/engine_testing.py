@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests: run a coroutine, reference log-probs from a plain forward pass."""
+"""Helpers shared by the engine tests: run a coroutine, wait for a condition, reference log-probs from a plain
+forward pass."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ import torch
 def run(coro, timeout: float = 120.0):
     """Run one coroutine to completion on a fresh event loop (no pytest-asyncio needed)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(condition, what: str, timeout_s: float = 60, poll_s: float = 0.005) -> None:
+    """Poll ``condition()`` until true; fail naming ``what`` after ``timeout_s`` (a generous bound: tests
+    wait for the state itself, not for a fixed time a loaded machine may overrun)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(poll_s)
+
+
+async def until_sampling(engine, tokens: int = 1, timeout_s: float = 60) -> None:
+    """Until a request a LocalEngine holds has sampled ``tokens`` tokens and is not finished: a pause then
+    lands mid-request, however fast or loaded the machine (a fixed sleep raced both)."""
+    await until(lambda: any(len(r.token_ids) >= tokens and r.finish is None for r in list(engine._live)),
+                f"a request sampling {tokens} token(s)", timeout_s, poll_s=0.001)
 
 
 def reference_logprobs(model, prompt_ids, token_ids, temperature: float) -> torch.Tensor:

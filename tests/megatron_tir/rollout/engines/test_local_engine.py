@@ -15,7 +15,7 @@ from megatron_tir.rollout.engines.base import (
 from megatron_tir.rollout.engines.local import LocalEngine, LocalEngineConfig
 from transformers import AutoModelForCausalLM
 
-from engine_testing import protocol_mismatches, reference_logprobs, run
+from engine_testing import protocol_mismatches, reference_logprobs, run, until_sampling
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:", "x"]
 
@@ -290,7 +290,7 @@ def test_pause_holds_in_flight_and_resume_continues_identically(make_engine, tin
         reference = await engine.generate(prompt, params)
 
         task = asyncio.create_task(engine.generate(prompt, params))
-        await asyncio.sleep(0.05)
+        await until_sampling(engine)
         await engine.pause(mode=PauseMode.IN_PLACE)
         late = asyncio.create_task(engine.generate(prompt, params))  # queued while paused
         await asyncio.sleep(0.3)
@@ -313,7 +313,7 @@ def test_pause_with_abort_returns_partial_generations(make_engine, tiny_llama):
         params = SamplingParams(max_new_tokens=200, seed=8)
         reference = await engine.generate(prompt, SamplingParams(max_new_tokens=200, seed=8))
         task = asyncio.create_task(engine.generate(prompt, params))
-        await asyncio.sleep(0.1)
+        await until_sampling(engine)
         await engine.pause(mode=PauseMode.ABORT)
         aborted = await task
         await engine.resume()
@@ -336,10 +336,10 @@ def test_pause_retract_recomputes_the_cache_and_continues_identically(make_engin
     async def main():
         engine = make_engine(tiny_llama, eos_token_ids=(0,))
         prompt = encode(engine, PROMPTS[2])
-        params = SamplingParams(max_new_tokens=600, seed=5)  # long enough to be paused mid-way on a fast machine
+        params = SamplingParams(max_new_tokens=600, seed=5)
         reference = await engine.generate(prompt, params)
         task = asyncio.create_task(engine.generate(prompt, params))
-        await asyncio.sleep(0.05)
+        await until_sampling(engine)
         await engine.pause(mode=PauseMode.RETRACT)
         held_without_cache = not task.done() and engine._batch.cache is None and len(engine._queue) == 1
         partial = len(engine._queue[0].token_ids)
@@ -360,7 +360,7 @@ def test_retract_across_a_weight_update_records_both_versions(make_engine, tiny_
         engine = make_engine(tiny_llama, eos_token_ids=(0,))
         prompt = encode(engine, PROMPTS[0])
         task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=600, seed=1)))
-        await asyncio.sleep(0.05)
+        await until_sampling(engine)
         await engine.pause(mode=PauseMode.RETRACT)
         split = len(engine._queue[0].token_ids)
         await engine.update_weights([("model.norm.weight", torch.full((64,), 2.0))])
@@ -514,15 +514,13 @@ def test_idle_openmp_teams_are_released_by_the_loading_thread_and_by_the_worker_
         after_init = list(calls)
         prompt = encode(engine, PROMPTS[0])
         await asyncio.gather(*(engine.generate(prompt, SamplingParams(max_new_tokens=12, seed=s)) for s in range(3)))
-        for _ in range(100):  # the scheduler releases after resolving the last request
-            if len(calls) > len(after_init) or not release:
-                break
+        deadline = asyncio.get_running_loop().time() + 30  # the scheduler releases after resolving the last request
+        while release and len(calls) == len(after_init) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         after_first = list(calls)
         await engine.generate(prompt, SamplingParams(max_new_tokens=12, seed=9))
-        for _ in range(100):
-            if len(calls) > len(after_first) or not release:
-                break
+        deadline = asyncio.get_running_loop().time() + 30
+        while release and len(calls) == len(after_first) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         await engine.close()
@@ -581,7 +579,7 @@ def test_a_request_that_ran_across_a_weight_update_is_not_cached(make_engine, ti
         await engine.generate(prompt, SamplingParams(max_new_tokens=4, seed=0))
         stored_before = len(engine.prefix_cache)
         task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=60, seed=4)))
-        await asyncio.sleep(0.05)
+        await until_sampling(engine)
         await engine.pause(mode=PauseMode.IN_PLACE)
         emb = engine.model.get_input_embeddings().weight
         await engine.update_weights([("model.embed_tokens.weight", emb + 0.01)])
