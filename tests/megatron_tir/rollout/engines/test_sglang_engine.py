@@ -25,7 +25,7 @@ from megatron_tir.rollout.engines.sglang import (
     parse_generate_response,
 )
 
-from engine_testing import protocol_mismatches, run
+from engine_testing import protocol_mismatches, run, until, until_sampling
 from fake_sglang import DROP_CONNECTION, FakeSGLangServer
 from fake_sglang_backend import local_engine_handler
 from sglang_schema import api_types
@@ -250,11 +250,11 @@ def test_health_checks_take_servers_out_and_bring_them_back():
         urls = [await a.start(), await b.start()]
         async with client(urls, health_check_interval_s=0.05) as engine:
             a.healthy = False
-            await asyncio.sleep(0.3)
+            await until(lambda: not engine.pool.servers[0].healthy, "a's health probe taking it out")
             down = [s.healthy for s in engine.pool.servers]
             outs = [await engine.generate([1], SamplingParams(max_new_tokens=3)) for _ in range(4)]
             a.healthy = True
-            await asyncio.sleep(0.3)
+            await until(lambda: engine.pool.servers[0].healthy, "a's health probe bringing it back")
             up = [s.healthy for s in engine.pool.servers]
             await engine.wait_healthy(timeout_s=5)
         async with client(urls) as engine:
@@ -333,7 +333,7 @@ def test_pause_abort_returns_partial_generations_and_resume_continues(make_engin
         server = FakeSGLangServer(local_engine_handler(backend), engine=backend)
         async with client([await server.start()]) as engine:
             long = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=1000, seed=1)))
-            await asyncio.sleep(0.3)
+            await until_sampling(backend, 4)  # the abort lands after 4 tokens (a 0.3 s sleep raced a loaded machine)
             await engine.pause(mode="abort")
             aborted = await long
             late = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, seed=1)))
@@ -362,14 +362,11 @@ def test_cancelled_generate_aborts_on_the_server():
         server = FakeSGLangServer(until_aborted)
         async with client([await server.start()]) as engine:
             task = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=3)))
-            await asyncio.sleep(0.2)
+            await until(lambda: any(p == "/generate" for p, _ in server.requests), "the request reaching the server")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(50):
-                if any(p == "/abort_request" for p, _ in server.requests):
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: any(p == "/abort_request" for p, _ in server.requests), "the abort reaching the server")
         await server.stop()
         return server
 

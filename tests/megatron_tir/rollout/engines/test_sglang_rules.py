@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from engine_testing import run
+from engine_testing import run, until_sampling
 from fake_sglang import FakeSGLangServer, RadixCache, tcp_address
 from fake_sglang_backend import local_engine_handler, serve_in_thread
 from sglang_schema import api_types
@@ -195,7 +195,7 @@ def test_5_flush_right_after_a_pause(make_engine, tiny_llama, mode):
         server = FakeSGLangServer(local_engine_handler(backend), engine=backend)
         async with client([await server.start()], flush_timeout_s=10) as engine:
             task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=500, seed=1)))
-            await asyncio.sleep(0.3)
+            await until_sampling(backend)  # the pause lands mid-request (a 0.3 s sleep raced a loaded machine)
             await engine.pause(mode=mode)
             t0 = time.perf_counter()
             await engine.flush_cache()
