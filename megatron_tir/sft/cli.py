@@ -139,7 +139,12 @@ def check_layout(cfg, world_size: int | None = None) -> None:
 
 
 def run_sft_command(args: argparse.Namespace) -> int:
-    """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone (:func:`_after_rank0`)."""
+    """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone (:func:`_after_rank0`).
+    Every rank runs the same steps: at the default level the INFO lines are rank 0's, the other ranks log from
+    WARNING up (``--log-level debug`` keeps every rank's lines)."""
+    root = logging.getLogger()
+    if _rank() != 0 and root.getEffectiveLevel() == logging.INFO:
+        root.setLevel(logging.WARNING)
     try:
         return _run_sft(args)
     except ValueError:
@@ -149,9 +154,9 @@ def run_sft_command(args: argparse.Namespace) -> int:
 
 
 def _after_rank0() -> None:
-    """Wait (up to ``RANK0_FIRST_S``) for the launcher to end this rank. Bad input fails every rank alike; rank 0 says it
-    and exits 2, and torchrun then ends the other ranks (SIGTERM) at once, naming rank 0 the root cause. A rank
-    that exited first would be the root cause instead, and rank 0 could be ended before its line is out. A rank
+    """Wait (up to ``RANK0_FIRST_S``) for the launcher to end this rank. Bad input fails every rank alike; rank 0
+    says it and exits 2, and torchrun then ends the other ranks (SIGTERM) at once, naming rank 0 the root cause. A
+    rank that exited first would be the root cause instead, and rank 0 could be ended before its line is out. A rank
     still running after that failed alone: it says its own line."""
     time.sleep(RANK0_FIRST_S)
 
