@@ -14,6 +14,7 @@ whose ``data_position`` counts the rows read), so the run directory is a model f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -96,19 +97,20 @@ def run_sft(cfg: SFTConfig, run_dir: Path, state: TrainerState, *, resume: bool)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
                   timeout_s=cfg.collective_timeout_s, model_parallel_timeout_s=cfg.collective_timeout_s)
     try:
-        learner = Learner(cfg.learner)
-        log.info("sft data: %d trajectories (%d model tokens, %d feedback tokens) from %d file(s); %d cut to "
-                 "max_tokens=%d, %d dropped (no model token left)", len(examples),
-                 sum(e.model_tokens for e in examples), sum(len(e.loss_mask) - e.model_tokens for e in examples),
-                 len(cfg.data), cut, cfg.max_tokens, dropped)
-        ckpts = RunCheckpoints(run_dir, keep_last=cfg.checkpoint.keep_last)
-        if resume:
-            loaded = ckpts.load({POLICY: learner}, strict=cfg.checkpoint.strict_resume,
-                                allow_unverified=cfg.checkpoint.allow_unverified)
-            state.step, state.data_position, state.metrics_offset = loaded.step, loaded.data_position, \
-                loaded.metrics_offset
-            log.info("resumed %s at step %d (row %d)", run_dir, state.step, state.data_position)
-        return _loop(cfg, run_dir, state, learner, examples, ckpts)
+        with _run_log(run_dir, torch.distributed.get_rank() == 0):  # the learner's start-up line included
+            learner = Learner(cfg.learner)
+            log.info("sft data: %d trajectories (%d model tokens, %d feedback tokens) from %d file(s); %d cut to "
+                     "max_tokens=%d, %d dropped (no model token left)", len(examples),
+                     sum(e.model_tokens for e in examples), sum(len(e.loss_mask) - e.model_tokens for e in examples),
+                     len(cfg.data), cut, cfg.max_tokens, dropped)
+            ckpts = RunCheckpoints(run_dir, keep_last=cfg.checkpoint.keep_last)
+            if resume:
+                loaded = ckpts.load({POLICY: learner}, strict=cfg.checkpoint.strict_resume,
+                                    allow_unverified=cfg.checkpoint.allow_unverified)
+                state.step, state.data_position, state.metrics_offset = loaded.step, loaded.data_position, \
+                    loaded.metrics_offset
+                log.info("resumed %s at step %d (row %d)", run_dir, state.step, state.data_position)
+            return _loop(cfg, run_dir, state, learner, examples, ckpts)
     finally:
         destroy_parallel()
 
@@ -129,6 +131,24 @@ def load_data(cfg: SFTConfig) -> tuple[list[Example], int, int]:
     return examples, cut, dropped
 
 
+@contextlib.contextmanager
+def _run_log(run_dir: Path, rank0: bool):
+    """On rank 0, the log records also go to ``RUN_DIR/train.log`` (appended on a resume) while it lasts."""
+    if not rank0:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / LOG_FILE)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
 def _loop(cfg: SFTConfig, run_dir: Path, state: TrainerState, learner, examples: list[Example],
           ckpts: RunCheckpoints) -> TrainerState:
     from megatron_tir.observe.trackers import open_trackers
@@ -137,13 +157,8 @@ def _loop(cfg: SFTConfig, run_dir: Path, state: TrainerState, learner, examples:
     from megatron_tir.train.preempt import agreed
 
     rank0 = torch.distributed.get_rank() == 0
-    handler = None
     if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
-        handler = logging.FileHandler(run_dir / LOG_FILE)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        logging.getLogger().addHandler(handler)
     sink = open_metrics(run_dir, truncate_to=state.metrics_offset,
                         trackers=lambda: open_trackers(cfg.log, run_dir, state.config,
                                                        purge_step=state.step + 1 if state.step else 0))
@@ -176,9 +191,6 @@ def _loop(cfg: SFTConfig, run_dir: Path, state: TrainerState, learner, examples:
                 last_save = time.monotonic()
     finally:
         sink.close()
-        if handler is not None:
-            logging.getLogger().removeHandler(handler)
-            handler.close()
     if rank0 and cfg.plots:
         from megatron_tir.observe.plots import plot_runs
 

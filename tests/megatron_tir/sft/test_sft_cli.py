@@ -152,6 +152,9 @@ def test_tensor_parallel_sft_has_the_single_process_losses(tmp_path):
     assert "tp=2 pp=1 dp=1" in p.stderr  # the learner's "ready" line: the layout really is TP 2
     # INFO lines once (rank 0's; the other rank logs from WARNING up)
     assert p.stderr.count("learner ready:") == 1 and p.stderr.count("sft step 3/3") == 1, p.stderr[-3000:]
+    log_file = (tmp_path / "tp2" / "train.log").read_text()  # rank 0's records from before the learner is built
+    assert "learner ready: tiny-qwen2" in log_file and "sft data: 3 trajectories" in log_file, log_file
+    assert log_file.count("sft step 3/3") == 1
     one, tp2 = metrics(tmp_path / "one"), metrics(tmp_path / "tp2")
     assert sorted(tp2) == sorted(one) == [1, 2, 3]
     for step in one:
