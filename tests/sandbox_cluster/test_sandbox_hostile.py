@@ -227,8 +227,8 @@ def test_setsid_orphan_dies_with_the_request(client):
     seen_running, res = asyncio.run(scenario())
     assert seen_running  # the orphan really ran (in its own session) during the request ...
     assert (res.status, res.stdout) == (Status.OK, "done\n")
-    end = time.monotonic() + 2  # ... and is gone once the request is answered (its tree is killed
-    while orphans() and time.monotonic() < end:  # before the answer, or right after it)
+    end = time.monotonic() + 10  # ... and is gone once the request is answered (its tree is killed before the
+    while orphans() and time.monotonic() < end:  # answer, or right after it; 10 s for a loaded machine, not 313)
         time.sleep(0.01)
     assert orphans() == []
     assert_next_ok(client)
