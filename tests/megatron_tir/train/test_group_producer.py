@@ -173,7 +173,7 @@ def test_a_failed_group_ends_the_take_with_its_error():
 
 def test_full_mode_over_syncs_with_interruptions_on_the_local_engine(make_tiny_hf):
     """Three steps of eta = 1 against a LocalEngine whose syncs retract requests in flight (the sync
-    of full mode), a short sleep standing in for each update: no trained token is more than one
+    of full mode), the engine running until a request is mid-way standing in for each update: no trained token is more than one
     version behind the weights the step updates from, trajectories are interrupted mid-turn and
     continue (never aborted), and every token's recorded version is the one whose weights give its
     engine log-prob (an independent forward pass per version, version_testing)."""
@@ -210,7 +210,10 @@ def test_full_mode_over_syncs_with_interruptions_on_the_local_engine(make_tiny_h
         for step in range(1, steps + 1):
             taken = await p.take(2)
             steps_taken.append(taken)
-            await asyncio.sleep(0.05)  # "training": the engine keeps generating the next groups (short: a fast CPU ends them first)
+            # "training": the engine keeps generating the next groups; the sync lands once one of them has 8
+            # tokens (a fixed 0.05 s raced both ways: all done on an idle CPU, none started on a loaded one)
+            while (live := list(engine._live)) and not any(len(r.token_ids) >= 8 and r.finish is None for r in live):
+                await asyncio.sleep(0.002)
             await sync.update(buckets_of(sets[step], 64 << 10))
             await p.poke()
         await p.stop()
