@@ -30,15 +30,25 @@ def test_records_what_the_wrapped_engine_returned(smollm2_tokenizer):
 
 
 class Sleeper:
-    """An engine whose request takes ``max_new_tokens / 100`` seconds and generates nothing."""
+    """An engine whose request takes ``max_new_tokens / 100`` seconds and generates nothing; each request's
+    span by the clock is kept (``spans``): a loaded machine stretches the sleeps, so the tests compare the
+    meter with the spans that really happened, not with the nominal seconds."""
     eos_token_ids = (0,)
     weight_version = 0
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
 
     async def generate(self, prompt_ids, params):
         from megatron_tir.rollout.engines.base import Generation
 
+        start = time.perf_counter()
         await asyncio.sleep(params.max_new_tokens / 100)
+        self.spans.append((start, time.perf_counter()))
         return Generation(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)
+
+
+TOLERANCE_S = 0.05  # the meter's clock readings and the spans' are a few statements apart
 
 
 def test_engine_activity_counts_time_with_a_request_in_flight_once():
@@ -46,18 +56,22 @@ def test_engine_activity_counts_time_with_a_request_in_flight_once():
     from megatron_tir.rollout.instrument import EngineActivity
 
     async def main():
-        meter = EngineActivity(Sleeper())
+        meter = EngineActivity(engine := Sleeper())
         t0 = time.perf_counter()
         await asyncio.gather(meter.generate([1], SamplingParams(max_new_tokens=20)),  # 0.2 s
                              meter.generate([1], SamplingParams(max_new_tokens=30)))  # 0.3 s, overlapping
         await asyncio.sleep(0.3)  # idle
         during = meter.busy_s()
         await meter.generate([1], SamplingParams(max_new_tokens=10))
-        return during, meter.busy_s(), time.perf_counter() - t0
+        return during, meter.busy_s(), time.perf_counter() - t0, engine.spans
 
-    during, busy, wall = asyncio.run(main())
-    # the sum of the requests would be 0.5 and 0.6 s, with the idle gap 0.7 s
-    assert 0.3 <= during < 0.45 and 0.4 <= busy < 0.55 and wall >= 0.7
+    during, busy, wall, spans = asyncio.run(main())
+    (s1, e1), (s2, e2), (s3, e3) = sorted(spans)
+    union = max(e1, e2) - min(s1, s2)
+    assert union < (e1 - s1) + (e2 - s2) - 0.15  # they did overlap (by ~0.2 s), so union and sum differ
+    assert abs(during - union) < TOLERANCE_S, (during, spans)  # the union, not the sum (~0.5 s)
+    assert abs(busy - union - (e3 - s3)) < TOLERANCE_S, (busy, spans)  # the idle gap not counted
+    assert wall >= 0.7
 
 
 def test_engine_activity_does_not_count_a_sync_as_busy():
@@ -66,17 +80,21 @@ def test_engine_activity_does_not_count_a_sync_as_busy():
     from megatron_tir.rollout.instrument import EngineActivity
 
     async def main():
-        meter = EngineActivity(Sleeper())
+        meter = EngineActivity(engine := Sleeper())
         request = asyncio.ensure_future(meter.generate([1], SamplingParams(max_new_tokens=60)))  # 0.6 s in flight
         await asyncio.sleep(0.1)
+        p0 = time.perf_counter()
         with meter.paused():  # 0.3 s of the request's span: a sync
             await asyncio.sleep(0.3)
             inside = meter.busy_s()
+        p1 = time.perf_counter()
         await request
         with meter.paused():  # nothing in flight
             await asyncio.sleep(0.1)
-        return inside, meter.busy_s()
+        return inside, meter.busy_s(), (p0, p1), engine.spans
 
-    inside, busy = asyncio.run(main())
-    assert 0.09 <= inside < 0.2  # only the 0.1 s before the pause
-    assert 0.28 <= busy < 0.45  # 0.6 s in flight minus the 0.3 s paused
+    inside, busy, (p0, p1), [(s, e)] = asyncio.run(main())
+    paused_in_flight = min(e, p1) - max(s, p0)
+    assert paused_in_flight > 0.1, (s, e, p0, p1)  # the sync did fall inside the request (~0.3 s of it)
+    assert abs(inside - (min(p0, e) - s)) < TOLERANCE_S, (inside, s, e, p0)  # only the seconds before the pause
+    assert abs(busy - ((e - s) - paused_in_flight)) < TOLERANCE_S, (busy, s, e, p0, p1)  # in flight minus paused
