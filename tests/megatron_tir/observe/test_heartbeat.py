@@ -58,7 +58,9 @@ def test_a_phase_with_nothing_finished_says_so_and_no_total_counts_only():
 def test_the_context_beats_while_nothing_finishes(caplog):
     with caplog.at_level(logging.INFO, logger=hb.log.name):
         with Heartbeat("update", 4, unit="micro-batch", interval_s=0.05) as beat:
-            time.sleep(0.4)  # one long micro-batch: nothing finishes
+            end = time.monotonic() + 30  # one long micro-batch: nothing finishes (a 0.4 s sleep raced a loaded
+            while beat.lines < 2 and time.monotonic() < end:  # machine's thread scheduling)
+                time.sleep(0.01)
         lines = beat.lines
         time.sleep(0.2)
     assert lines >= 2 and beat.lines == lines  # the thread stopped with the block
