@@ -71,6 +71,7 @@ from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
 from megatron_tir.rollout.engines.base import MEMORY_TAGS
 from megatron_tir.rollout.sync.base import FLATTENED, WEIGHTS_TAG, Bucket, check_bucket, flatten
+from megatron_tir.rollout.sync.group_join import GroupJoin, group_from_store
 
 if TYPE_CHECKING:
     import torch
@@ -126,21 +127,13 @@ def tcp_init_method(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def new_trainer_process_group(*, master_address: str, master_port: int, world_size: int, group_name: str,
-                              backend: str, timeout_s: float):
-    """Rank 0 of a process group outside the trainer's default world, joined by the servers.
-
-    SGLang's servers build their side with a TCP rendezvous at ``master_address:port``,
-    a ``PrefixStore(group_name, store)`` and ``_new_process_group_helper`` (sglang
-    ``init_custom_process_group``); the trainer side builds the same store layout.
-    """
-    return join_process_group(master_address=master_address, master_port=master_port, world_size=world_size,
-                              rank=0, group_name=group_name, backend=backend, timeout_s=timeout_s)
-
-
 def join_process_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
                        backend: str, timeout_s: float):
-    """Rank ``rank`` of such a group (rank 0 hosts the rendezvous store).
+    """Rank ``rank`` of a weight-update group: a process group outside the trainer's default world,
+    joined by the servers (SGLang's ``init_custom_process_group``: a TCP rendezvous at
+    ``master_address:port``, then :func:`~megatron_tir.rollout.sync.group_join.group_from_store`).
+    Rank 0 hosts the rendezvous store; the trainer joins as rank 0 through
+    :class:`~megatron_tir.rollout.sync.group_join.GroupJoin` (a join that can be given up).
 
     The store is built here, not with ``c10d.rendezvous("tcp://...")``: under torchrun
     (``TORCHELASTIC_USE_AGENT_STORE=True`` in every worker's environment) that rendezvous assumes the
@@ -149,17 +142,12 @@ def join_process_group(*, master_address: str, master_port: int, world_size: int
     ``_create_c10d_store``; found by the rehearsal, docs/rehearsal.md). The store is the one the
     rendezvous builds otherwise: a ``TCPStore`` hosted by rank 0, multi-tenant, libuv."""
     import torch.distributed
-    from torch.distributed import distributed_c10d as c10d
 
-    timeout = timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(host_name=master_address, port=master_port, world_size=world_size, is_master=rank == 0,
-                          timeout=timeout, multi_tenant=True, use_libuv=True)
-    world = world_size
-    store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend), store, group_name=group_name,
-                                           backend_options=None, timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
-    return pg
+    store = torch.distributed.TCPStore(host_name=master_address, port=master_port, world_size=world_size,
+                                       is_master=rank == 0, timeout=timedelta(seconds=timeout_s), multi_tenant=True,
+                                       use_libuv=True)
+    return group_from_store(store, world_size=world_size, rank=rank, group_name=group_name, backend=backend,
+                            timeout_s=timeout_s)
 
 
 AFTER_FAILURE_S = 30.0  # each call that ends a failed sync (end session, resume): bounded, best effort
@@ -321,27 +309,39 @@ class DistributedWeightSync:
         await self._join(self.config.group_name, self.config.master_port, refresh=False)
 
     async def _join(self, group_name: str, master_port: int, *, refresh: bool = True) -> None:
+        """The servers' ``/init_weights_update_group`` (bounded by ``timeout_s``) beside this rank's own join;
+        either failing gives the other up. A hung server join ends with the servers' side named: this rank's
+        store waits ``timeout_s`` too, and a failure of it waits ``ANSWER_GRACE_S`` for their answer."""
+        from megatron_tir.rollout.engines.sglang.wire import SGLangError
+
         cfg = self.config
         infos = await self.engine.server_info(refresh=refresh)
         world_size = 1 + sum(info["tp_size"] for info in infos)
-        joined = asyncio.wrap_future(_daemon_call(lambda: new_trainer_process_group(
-            master_address=cfg.master_address, master_port=master_port, world_size=world_size,
-            group_name=group_name, backend=cfg.backend, timeout_s=cfg.timeout_s)))
-        init = asyncio.ensure_future(self.engine.init_weights_update_group(
+        join = GroupJoin(master_address=cfg.master_address, master_port=master_port, world_size=world_size,
+                         group_name=group_name, backend=cfg.backend, timeout_s=cfg.timeout_s)
+        joined = asyncio.wrap_future(join.future)
+        init = asyncio.ensure_future(asyncio.wait_for(self.engine.init_weights_update_group(
             master_address=cfg.master_address, master_port=master_port, group_name=group_name,
-            backend=cfg.backend))
-        await asyncio.wait({joined, init}, return_when=asyncio.FIRST_EXCEPTION)
-        if init.done() and init.exception() is not None:
-            joined.cancel()  # the join thread gives up at its own timeout; nobody waits for it
-            raise init.exception()
+            backend=cfg.backend), cfg.timeout_s))
         try:
-            self.group = await joined
+            await asyncio.wait({joined, init}, return_when=asyncio.FIRST_EXCEPTION)
+            if joined.done() and joined.exception() is not None and not init.done():
+                await asyncio.wait({init}, timeout=ANSWER_GRACE_S)  # the servers' answer says why, if they give one
+            if init.done() and isinstance(init.exception(), TimeoutError):
+                raise SGLangError(f"no answer to /init_weights_update_group ({group_name}) from the servers within "
+                                  f"{cfg.timeout_s:g} s (timeout_s)")
+            if init.done() and init.exception() is not None:
+                raise init.exception()
+            group = await joined
+            await init
         except BaseException:
-            init.cancel()
-            await asyncio.gather(init, return_exceptions=True)
+            if not init.done():
+                init.cancel()
+                await asyncio.gather(init, return_exceptions=True)
+            join.give_up()  # its thread ends (at once unless a gloo group waits for a server): not left in c10d
+            await asyncio.get_running_loop().run_in_executor(None, join.wait)
             raise
-        await init
-        self.world_size, self.group_name = world_size, group_name
+        self.group, self.world_size, self.group_name = group, world_size, group_name
         self.members = tuple(s.url for s in self.engine.sync_targets)
         log.info("weight-update group %s ready (world size %d)", group_name, world_size)
 

@@ -60,7 +60,8 @@ from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
 from megatron_tir.rollout.sync.base import FLATTENED, Bucket, check_bucket, flatten, kept_bytes
 from megatron_tir.rollout.sync.base import sync_failed
-from megatron_tir.rollout.sync.sglang import SYNC_PAUSE_MODES, _daemon_call, _run_sync, new_trainer_process_group
+from megatron_tir.rollout.sync.group_join import GroupJoin
+from megatron_tir.rollout.sync.sglang import SYNC_PAUSE_MODES, _run_sync
 
 if TYPE_CHECKING:
     from megatron_tir.policy.weight_source import WeightSource
@@ -151,12 +152,11 @@ class StageSender:
         # on a GPU the caching allocator does it; ~17 ms per fresh 50 MB on the 2-core machine)
         self.staging: list = [None, None]
 
-    def join(self, *, address: str, port: int, world_size: int, group_name: str) -> concurrent.futures.Future:
-        """Start joining (a daemon thread: a join that never completes must not block exit)."""
+    def join(self, *, address: str, port: int, world_size: int, group_name: str) -> GroupJoin:
+        """Start joining (a daemon thread; ``cancel()`` gives it up and waits until it left c10d)."""
         self.group_name = group_name
-        return _daemon_call(lambda: new_trainer_process_group(
-            master_address=address, master_port=port, world_size=world_size, group_name=group_name,
-            backend=self.backend, timeout_s=self.timeout_s))
+        return GroupJoin(master_address=address, master_port=port, world_size=world_size, group_name=group_name,
+                         backend=self.backend, timeout_s=self.timeout_s)
 
     def send(self, buckets: Iterable[Bucket], *, flattened: bool, stage: int = 0,
              layout: list[list[tuple[str, tuple[int, ...]]]] | None = None, dtype: str | None = None) -> None:
@@ -365,12 +365,12 @@ class StageWeightSync:
             _, error = self._on_rank0(self._init_groups([endpoints[s] for s in range(self.pp)]))
         servers_joined = self._from_rank0(error is None)  # a sender waits for its own join only if they did
         if joined is not None:
-            if servers_joined:
-                try:
+            try:
+                if servers_joined:
                     self.sender.group = joined.result(timeout=self.config.timeout_s)
-                except Exception as exc:  # noqa: BLE001
-                    error = error or exc
-            else:
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+            if self.sender.group is None:  # given up: its thread ends here, not inside c10d at exit (group_join.py)
                 joined.cancel()
         self._raise_any(error, "joining the weight-update groups")
         log.info("weight-update groups %s ready (world size %d each)", ", ".join(self.group_names), world_size)

@@ -84,12 +84,16 @@ class SGLangControl:
             return answer
 
         tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(self.sync_targets if servers is None else servers)]
-        if fail_fast:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
+        try:
+            if fail_fast:
+                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # the caller cancelled (a timeout around the call): the calls go too, not left to fail unread
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        return await asyncio.gather(*tasks, return_exceptions=True)
 
     async def server_info(self, *, refresh: bool = False) -> list[dict[str, Any]]:
         """``GET /server_info`` of every server of the sync (cached per server), in their order;

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from megatron_tir.ports import free_port
-from megatron_tir.rollout.sync.sglang import new_trainer_process_group
-from megatron_tir.rollout.sync.stages import _daemon_call
+from megatron_tir.rollout.sync.group_join import GroupJoin
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -32,9 +31,8 @@ print("joined", world)
 def test_a_trainer_rank_under_torchrun_hosts_the_groups_store(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets in its workers
     port = free_port()
-    joined = _daemon_call(lambda: new_trainer_process_group(master_address="127.0.0.1", master_port=port,
-                                                            world_size=2, group_name="g", backend="gloo",
-                                                            timeout_s=20))
+    joined = GroupJoin(master_address="127.0.0.1", master_port=port, world_size=2, group_name="g", backend="gloo",
+                       timeout_s=20)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}  # the server: not a torchrun worker
     p = subprocess.run([sys.executable, "-c", SERVER, str(port)], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and "joined 2" in p.stdout, p.stderr[-1500:]

@@ -8,16 +8,23 @@ as sglang 0.5.23's scheduler answers, managers/scheduler_components/weight_updat
 ends (``hang``); or whose join does (``FAKE_SGLANG_INIT_FAILURE``). Before: a refused receive surfaced
 as the trainer's gloo timeout with the server's words lost, and a hung receive or join was waited for
 ``control_timeout_s`` (the HTTP bound), not the sync's ``timeout_s``.
+
+The rank runs in a process of its own, which must exit as megatron-tir does on the run's one-line error
+(1): a given-up group join left inside c10d aborted it at exit when the join came back during the
+interpreter's finalization (134, "terminate called without an active exception"; group_join.py).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_tir.cli import EXIT_INFRASTRUCTURE
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +49,10 @@ class TwoTensors:
         yield 0, list(self.weights)
 
 
-def failing_sync_run(rank: int, world: int, url: str, out: str) -> None:
-    from megatron_tir.policy.parallel import init_parallel
+def failing_sync_run(url: str, out: str) -> int:
+    """This process as one trainer rank syncing into ``url``; the exit code as megatron-tir's (cli.main:
+    1 on the run's one-line InfrastructureError)."""
+    from megatron_tir.policy.parallel import destroy_parallel, init_parallel
     from megatron_tir.rollout.engines.sglang import SGLangEngine, SGLangEngineConfig
     from megatron_tir.rollout.event_loop import EventLoopThread
     from megatron_tir.rollout.factory import InfrastructureError
@@ -62,20 +71,18 @@ def failing_sync_run(rank: int, world: int, url: str, out: str) -> None:
         t0 = time.monotonic()
         sync.update(TwoTensors())
     except InfrastructureError as exc:
-        result = {"error": str(exc), "took": time.monotonic() - t0, "paused": engine.paused}
-        # an abandoned join thread ends at its own timeout_s, about now after a join the servers never
-        # answered; a process that exits while it is inside c10d aborts ("terminate called ...")
-        time.sleep(3)
+        result, code = {"error": str(exc), "took": time.monotonic() - t0, "paused": engine.paused}, EXIT_INFRASTRUCTURE
     else:
-        result = {"error": None}
+        result, code = {"error": None}, 0
     loop.run(engine.close())  # (the broken group is left to the process's exit)
     loop.close()
+    destroy_parallel()
     torch.save(result, out)
+    return code
 
 
 def sync_into(failure: str, tmp_path, monkeypatch, variable: str = "FAKE_SGLANG_RECEIVE_FAILURE") -> dict:
     from megatron_tir.model_sources import resolve_model
-    from megatron_tir.policy.parallel import run_ranks
     from megatron_tir.ports import free_port
     from megatron_tir.rollout.engines.sglang import SGLangServer, SGLangServerConfig
 
@@ -85,9 +92,14 @@ def sync_into(failure: str, tmp_path, monkeypatch, variable: str = "FAKE_SGLANG_
                                              log_file=str(tmp_path / "server.log"))).start()
     try:
         server.wait_healthy(timeout_s=120, poll_s=0.2)
-        run_ranks(failing_sync_run, 1, server.url, str(tmp_path / "result.pt"))
+        # the rank in a process of its own: its exit code is checked (a join left inside c10d aborted the
+        # interpreter's exit: "terminate called without an active exception", 134 instead of 1)
+        rank = subprocess.run([sys.executable, __file__, server.url, str(tmp_path / "result.pt")],
+                              capture_output=True, text=True, timeout=TIMEOUT_S + 240)
     finally:
         server.stop()
+    assert rank.returncode == EXIT_INFRASTRUCTURE and "terminate called" not in rank.stderr, \
+        f"the rank exited {rank.returncode}: {rank.stderr[-1500:]}"
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["error"] is not None, "the sync succeeded"
     assert "\n" not in result["error"] and result["paused"] is False  # one line; generation resumed
@@ -121,3 +133,7 @@ def test_a_join_that_never_ends_fails_the_stage_sync_within_its_timeout(tmp_path
     assert "no answer to /init_weights_update_group (megatron_tir_weights-0-pp0) from the servers within 8 s" \
         in result["error"]
     assert result["took"] < TIMEOUT_S + 30 < CONTROL_TIMEOUT_S, f"took {result['took']:.0f} s"
+
+
+if __name__ == "__main__":  # sync_into's rank
+    sys.exit(failing_sync_run(*sys.argv[1:]))
