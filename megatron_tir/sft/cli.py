@@ -21,16 +21,15 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
+from megatron_tir.observe.ranks import run_on_every_rank
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
 
 log = logging.getLogger(__name__)
 
 # what an sft run writes into its directory (a directory holding only these and no checkpoint can be reused)
 RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log")
-RANK0_FIRST_S = 30.0  # how long a rank other than 0 keeps its bad-input error to itself (_after_rank0)
 
 
 def _rank() -> int:
@@ -139,26 +138,9 @@ def check_layout(cfg, world_size: int | None = None) -> None:
 
 
 def run_sft_command(args: argparse.Namespace) -> int:
-    """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone (:func:`_after_rank0`).
-    Every rank runs the same steps: at the default level the INFO lines are rank 0's, the other ranks log from
-    WARNING up (``--log-level debug`` keeps every rank's lines)."""
-    root = logging.getLogger()
-    if _rank() != 0 and root.getEffectiveLevel() == logging.INFO:
-        root.setLevel(logging.WARNING)
-    try:
-        return _run_sft(args)
-    except ValueError:
-        if _rank() != 0:
-            _after_rank0()
-        raise
-
-
-def _after_rank0() -> None:
-    """Wait (up to ``RANK0_FIRST_S``) for the launcher to end this rank. Bad input fails every rank alike; rank 0
-    says it and exits 2, and torchrun then ends the other ranks (SIGTERM) at once, naming rank 0 the root cause. A
-    rank that exited first would be the root cause instead, and rank 0 could be ended before its line is out. A rank
-    still running after that failed alone: it says its own line."""
-    time.sleep(RANK0_FIRST_S)
+    """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone; at the default level
+    the INFO lines are rank 0's (:func:`megatron_tir.observe.ranks.run_on_every_rank`)."""
+    return run_on_every_rank(_run_sft, args)
 
 
 def _run_sft(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_tir.observe.ranks import run_on_every_rank
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
 
 log = logging.getLogger(__name__)
@@ -147,10 +148,15 @@ def config_changes(before: dict, after: dict) -> list[str]:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2. Once the
-    run has started, an engine or sandbox failure or a stop (``InfrastructureError``) is one line,
-    exit 1; non-finite training likewise; anything else is exit 1 with its traceback in the log
-    (not "bad input")."""
+    """Bad input (config, data, paths) is found by ``prepare``: ValueError, one line, exit 2, said by rank 0
+    alone under torchrun; at the default level the INFO lines are rank 0's
+    (:func:`megatron_tir.observe.ranks.run_on_every_rank`). Once the run has started, an engine or sandbox
+    failure or a stop (``InfrastructureError``) is one line, exit 1; non-finite training likewise; anything
+    else is exit 1 with its traceback in the log (not "bad input")."""
+    return run_on_every_rank(_run_train, args)
+
+
+def _run_train(args: argparse.Namespace) -> int:
     from megatron_tir.finite import NonFiniteTraining
     from megatron_tir.malloc import tune_malloc
     from megatron_tir.rollout.factory import InfrastructureError

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_testing import assert_one_line_from_rank_0
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[3]
@@ -129,11 +129,7 @@ def test_a_bad_layout_under_torchrun_is_one_line_from_rank_0(tmp_path):
                         "megatron_tir.cli", "sft", "--recipe", "tiny-cpu-sft", "--data", str(data),
                         "--set", "rows_per_step=1", "--out", str(tmp_path / "run")],
                        env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    errors = [line for line in p.stderr.splitlines() if "megatron-tir:" in line]
-    assert errors == ["megatron-tir: error: rows_per_step=1 is fewer than the 2 data-parallel replicas"], p.stderr
-    assert p.returncode == 1 and "ChildFailedError" in p.stderr
-    root = p.stderr.split("Root Cause (first observed failure):")[1]
-    assert re.search(r"rank\s*: 0 \(local_rank: 0\)", root) and re.search(r"exitcode\s*: 2 ", root), root
+    assert_one_line_from_rank_0(p, "megatron-tir: error: rows_per_step=1 is fewer than the 2 data-parallel replicas")
     assert not (tmp_path / "run").exists()
 
 
