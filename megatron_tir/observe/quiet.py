@@ -33,7 +33,7 @@ def quiet_dependencies(level: int) -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:  # loggers that set their own level below ours still stop here
-        handler.addFilter(_MegatronInfo())
+        quiet_handler(handler, level)
     for message in QUIET_MESSAGES:
         warnings.filterwarnings("ignore", message=message)
     for module in QUIET_MODULES:
@@ -52,6 +52,13 @@ def quiet_dependencies(level: int) -> None:
             disable_progress_bars()
         except ImportError:  # pragma: no cover
             pass
+
+
+def quiet_handler(handler: logging.Handler, level: int) -> None:
+    """At ``info`` and above, ``handler`` drops megatron-core's INFO records (a handler attached later, such as
+    the run's log file: :mod:`megatron_tir.observe.log_file`)."""
+    if level > logging.DEBUG:
+        handler.addFilter(_MegatronInfo())
 
 
 class _MegatronInfo(logging.Filter):

@@ -1,7 +1,7 @@
 """Rank 0's observer of a training run: the per-step line, rollout dumps, sample tables, step-level diagnostics.
 
-The loop calls it at four points of a step (``sampled`` after the rollouts, ``held_out``
-after an evaluation, ``end_step`` before the metrics are logged) and ``close`` at the end.
+The loop calls it at three points of a step (``sampled`` after the rollouts, ``held_out``
+after an evaluation, ``end_step`` before the metrics are logged).
 The evaluation before training (step 0) logs its ``step 0 | held-out ...`` line as soon as it ends
 (its seconds counted from the observer's start, which is just before that evaluation).
 ``end_step`` adds ``time/step`` (wall seconds since the previous step ended), the grad-norm
@@ -9,8 +9,8 @@ spike flag and moving average (:class:`~megatron_tir.observe.diagnostics.GradNor
 ``perf/generation_tokens_per_s`` (model tokens sampled / rollout seconds) and
 ``perf/train_tokens_per_s`` (tokens through forward+backward / train seconds), logs the
 step line (:mod:`megatron_tir.observe.step_line`) at INFO, writes the step's dump when due
-and hands a few rendered trajectories to the trackers. It also copies the run's log records
-into ``RUN_DIR/train.log`` (plain text).
+and hands a few rendered trajectories to the trackers. Its lines reach ``RUN_DIR/train.log`` through the
+run's log file (:mod:`megatron_tir.observe.log_file`, attached before the learner is built).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from megatron_tir.observe.step_line import format_held_out_line, format_step_lin
 from megatron_tir.rl import MODES
 
 log = logging.getLogger("megatron_tir.steps")
-LOG_FILE = "train.log"
 
 
 class StepObserver:
@@ -38,11 +37,6 @@ class StepObserver:
         self._records: list[dict] = []
         self._gen_tokens = 0
         self._t_end = time.perf_counter()
-        self._handler = logging.FileHandler(self.run_dir / LOG_FILE)
-        self._handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        root = logging.getLogger()
-        self._handler.setLevel(root.getEffectiveLevel())
-        root.addHandler(self._handler)
 
     def sampled(self, step: int, sampled, fates) -> None:
         """After the step's rollouts: every group it sampled and what the step decided for each row
@@ -97,7 +91,3 @@ class StepObserver:
                      "dropped_by": (r.get("update") or {}).get("dropped_by"), "text": render(r)} for r in picked]
             if rows:
                 self.sink.log_samples(step, f"rollouts/{split}", rows)
-
-    def close(self) -> None:
-        logging.getLogger().removeHandler(self._handler)
-        self._handler.close()

@@ -14,7 +14,6 @@ whose ``data_position`` counts the rows read), so the run directory is a model f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tir.observe.log_file import run_log_file
 from megatron_tir.policy.checkpoint.layout import POLICY
 from megatron_tir.policy.learner_contract import TrainBatch
 from megatron_tir.sft.config import SFTConfig
@@ -31,7 +31,6 @@ from megatron_tir.sft.examples import Example
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 
 log = logging.getLogger("megatron_tir.sft")
-LOG_FILE = "train.log"
 
 
 def fit_examples(examples: Sequence[Example], max_tokens: int) -> tuple[list[Example], int, int]:
@@ -97,7 +96,7 @@ def run_sft(cfg: SFTConfig, run_dir: Path, state: TrainerState, *, resume: bool)
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
                   timeout_s=cfg.collective_timeout_s, model_parallel_timeout_s=cfg.collective_timeout_s)
     try:
-        with _run_log(run_dir, torch.distributed.get_rank() == 0):  # the learner's start-up line included
+        with run_log_file(run_dir, rank0=torch.distributed.get_rank() == 0):  # the learner's start-up line included
             learner = Learner(cfg.learner)
             log.info("sft data: %d trajectories (%d model tokens, %d feedback tokens) from %d file(s); %d cut to "
                      "max_tokens=%d, %d dropped (no model token left)", len(examples),
@@ -129,24 +128,6 @@ def load_data(cfg: SFTConfig) -> tuple[list[Example], int, int]:
     if not examples:
         raise ValueError(f"no trajectory has a model token within max_tokens={cfg.max_tokens}")
     return examples, cut, dropped
-
-
-@contextlib.contextmanager
-def _run_log(run_dir: Path, rank0: bool):
-    """On rank 0, the log records also go to ``RUN_DIR/train.log`` (appended on a resume) while it lasts."""
-    if not rank0:
-        yield
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / LOG_FILE)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
 
 
 def _loop(cfg: SFTConfig, run_dir: Path, state: TrainerState, learner, examples: list[Example],

@@ -106,7 +106,6 @@ def train(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, algorithm: Po
         if stopping:
             log.warning("stopped after step %d on a signal; the run continues from its checkpoint (--resume)", step)
             break
-    observer.close()
     sink.close()
     return state
 
@@ -176,9 +175,6 @@ class _NoObserver:
 
     def end_step(self, step: int, metrics: dict) -> dict[str, float]:
         return {}
-
-    def close(self) -> None:
-        pass
 
 
 def _progress(steps, *, enabled: bool):

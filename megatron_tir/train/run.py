@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_tir.observe.log_file import run_log_file
 from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.train.checkpoint import RunCheckpoints, TrainerState
 from megatron_tir.train.config import TrainConfig
@@ -40,40 +41,43 @@ def run_training(cfg: TrainConfig, run_dir: Path, state: TrainerState, *, resume
     init_parallel(cfg.learner.tp, cfg.learner.pp, seed=cfg.learner.seed, ep=cfg.learner.ep,
                   timeout_s=cfg.trainer.collective_timeout_s, model_parallel_timeout_s=cfg.trainer.collective_timeout_s)
     try:
-        algorithm_class(cfg)  # a bad trainer.ppo.algorithm is one line before the learner is built
-        learner = Learner(cfg.learner)
-        algorithm = build_algorithm(cfg, learner)  # builds the critic and the frozen reference where it needs them
-        if resume:
-            loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
-                algorithm.learners, strict=cfg.trainer.checkpoint.strict_resume,
-                allow_unverified=cfg.trainer.checkpoint.allow_unverified)
-            if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
-                state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
-                                                      for o in state.overrides[len(loaded.overrides):]]
-            state.step, state.data_position = loaded.step, loaded.data_position
-            state.data_consumed_ahead = list(loaded.data_consumed_ahead)
-            state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
-            state.grad_norm_history, state.weight_version = list(loaded.grad_norm_history), loaded.weight_version
-            log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
+        # rank 0's RUN_DIR/train.log from the learner's start-up line on; a new run directory gets its files once
+        # start-up succeeded (start_service makes it): the records wait until then (megatron_tir.observe.log_file)
+        with run_log_file(run_dir, rank0=torch.distributed.get_rank() == 0, create=False):
+            algorithm_class(cfg)  # a bad trainer.ppo.algorithm is one line before the learner is built
+            learner = Learner(cfg.learner)
+            algorithm = build_algorithm(cfg, learner)  # builds the critic and the frozen reference where it needs them
+            if resume:
+                loaded = RunCheckpoints(run_dir, keep_last=cfg.trainer.checkpoint.keep_last).load(
+                    algorithm.learners, strict=cfg.trainer.checkpoint.strict_resume,
+                    allow_unverified=cfg.trainer.checkpoint.allow_unverified)
+                if loaded.step != state.step:  # fell back past a damaged checkpoint: the later overrides apply from here
+                    state.overrides = loaded.overrides + [o | {"step": loaded.step + 1}
+                                                          for o in state.overrides[len(loaded.overrides):]]
+                state.step, state.data_position = loaded.step, loaded.data_position
+                state.data_consumed_ahead = list(loaded.data_consumed_ahead)
+                state.metrics_offset, state.schedule_switched_at = loaded.metrics_offset, loaded.schedule_switched_at
+                state.grad_norm_history, state.weight_version = list(loaded.grad_norm_history), loaded.weight_version
+                log.info("resumed %s at step %d (data position %d)", run_dir, state.step, state.data_position)
 
-        def start_service() -> RolloutService:  # rank 0 only
-            # full: a sync retracts the requests in flight, which continue under the new weights
-            pause = PauseMode.RETRACT if cfg.trainer.asynchrony.mode == "full" else PauseMode.ABORT
-            service = RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
-                                     model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools, pause_mode=pause)
-            # start-up succeeded: only now does the run directory get its files
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
-            return service
+            def start_service() -> RolloutService:  # rank 0 only
+                # full: a sync retracts the requests in flight, which continue under the new weights
+                pause = PauseMode.RETRACT if cfg.trainer.asynchrony.mode == "full" else PauseMode.ABORT
+                service = RolloutService(engine_cfg=cfg.engine, sandbox_cfg=cfg.sandbox, reward_cfg=cfg.reward,
+                                         model_dir=resolve_model(cfg.model), tools=cfg.rollout.tools, pause_mode=pause)
+                # start-up succeeded: only now does the run directory get its files
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
+                return service
 
-        with open_rollouts(cfg, service_factory=start_service, position=state.data_position,
-                           schedule_switched_at=state.schedule_switched_at,
-                           consumed_ahead=state.data_consumed_ahead) as r:
-            if resume:  # the engines start from the base weights: give them the policy's, at the saved version
-                r.weights.update(learner, version=state.weight_version or None)
-            with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
-                return train(cfg, run_dir, state, algorithm=algorithm, handoff=r.handoff, producer=r.producer,
-                             weights=r.weights, stop=stop)
+            with open_rollouts(cfg, service_factory=start_service, position=state.data_position,
+                               schedule_switched_at=state.schedule_switched_at,
+                               consumed_ahead=state.data_consumed_ahead) as r:
+                if resume:  # the engines start from the base weights: give them the policy's, at the saved version
+                    r.weights.update(learner, version=state.weight_version or None)
+                with StopSignals() as stop:  # SIGUSR1 (Slurm's pre-timeout signal) / SIGTERM: checkpoint, exit 0
+                    return train(cfg, run_dir, state, algorithm=algorithm, handoff=r.handoff, producer=r.producer,
+                                 weights=r.weights, stop=stop)
     finally:
         destroy_parallel()
 

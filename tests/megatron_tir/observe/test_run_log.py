@@ -8,7 +8,8 @@ import pytest
 from observe_crafted import answer_turn, make
 
 from megatron_tir.observe.config import LogConfig
-from megatron_tir.observe.run_log import LOG_FILE, StepObserver
+from megatron_tir.observe.log_file import LOG_FILE, run_log_file
+from megatron_tir.observe.run_log import StepObserver
 from megatron_tir.rollout.batch import Group
 from megatron_tir.train.config import TrainConfig
 
@@ -18,7 +19,7 @@ def test_tokens_per_second_spike_flag_and_the_line_in_train_log(tmp_path):
     cfg.trainer.log = LogConfig(dump_every=0, moving_average=2, spike_factor=2.0)
     logging.getLogger().setLevel(logging.INFO)
     obs = StepObserver(cfg, tmp_path, tokenizer=None, sink=None)
-    try:
+    with run_log_file(tmp_path, rank0=True):  # rank 0's log file (train attaches it before the learner)
         g = Group(group_id=0, problem=None, trajectories=[
             make([answer_turn(0, "a", "1")], logprobs_per_turn=[[-1.0] * 30]),
             make([answer_turn(0, "b", "1")], logprobs_per_turn=[[-1.0] * 10], sample=1)])
@@ -30,7 +31,5 @@ def test_tokens_per_second_spike_flag_and_the_line_in_train_log(tmp_path):
         assert extra["perf/train_tokens_per_s"] == pytest.approx(150.0)
         assert extra["train/grad_norm_spike"] == 1.0 and extra["train/grad_norm_ma"] == 1.0
         assert extra["time/step"] >= 0
-    finally:
-        obs.close()
     lines = [x for x in (tmp_path / LOG_FILE).read_text().splitlines() if "megatron_tir.steps" in x]
     assert len(lines) == 4 and "step 4/10 | grad 5 SPIKE | " in lines[-1] and "SPIKE" not in lines[-2]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torchrun_testing import assert_one_line_from_rank_0
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,6 +52,11 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     assert "eval/reward" in m[0] and "eval/reward" in m[2]
     assert state(run)["step"] == 2 and state(run)["data_position"] == 4
     assert (run / "config.json").is_file() and list((run / "tb").glob("events.*"))
+    # rank 0's train.log starts before the learner is built: its start-up line, then the run's step lines
+    log_lines = (run / "train.log").read_text().splitlines()
+    ready = [i for i, x in enumerate(log_lines) if " INFO learner ready: tiny-qwen2" in x]
+    step2 = [i for i, x in enumerate(log_lines) if "megatron_tir.steps INFO step 2/2 | " in x]
+    assert len(ready) == 1 and len(step2) == 1 and ready[0] < step2[0], log_lines[:20]
 
     check_ok(cli("train", "--resume", str(run), "--set", "trainer.steps=3", "--set", "rollout.max_turns=10"))
     m = metrics(run)
@@ -60,6 +66,9 @@ def test_two_steps_then_resume_with_ten_turns_then_plot(tmp_path):
     assert s["step"] == 3 and s["data_position"] == 6
     assert {"step": 3, "key": "rollout.max_turns", "value": "10"} in s["overrides"]
     assert json.loads((run / "config.json").read_text())["rollout"]["max_turns"] == 10
+    log_text = (run / "train.log").read_text()  # the resume appends: its learner, where it resumed, its step
+    assert log_text.count("learner ready: tiny-qwen2") == 2 and log_text.count(f"resumed {run} at step 2 ") == 1
+    assert "megatron_tir.steps INFO step 3/3 | " in log_text
 
     # a requeued job of the finished run (the sbatch resumes whenever there is a checkpoint): exit 0, nothing run
     p = cli("train", "--resume", str(run))
@@ -140,6 +149,24 @@ def test_two_processes_tensor_parallel(tmp_path):
     m = metrics(run)
     assert sorted(m) == [0, 1, 2] and all(math.isfinite(m[s]["train/grad_norm"]) for s in (1, 2))
     assert state(run)["step"] == 2
+    # INFO lines once (rank 0's; the other rank logs from WARNING up), and in rank 0's train.log
+    assert p.stderr.count("learner ready:") == 1 and "tp=2 pp=1 dp=1" in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("step 2/2 | ") == 1, p.stderr[-3000:]
+    log_text = (run / "train.log").read_text()
+    assert log_text.count("learner ready:") == 1 and log_text.count("step 2/2 | ") == 1, log_text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Two ranks with the same bad config: rank 0 says it in one line and exits 2, the other rank says nothing;
+    torchrun's report names rank 0 (exit 2) the root cause (torchrun itself exits 1 whenever a rank fails);
+    nothing is written."""
+    p = subprocess.run([str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m",
+                        "megatron_tir.cli", "train", "--recipe", "tiny-cpu", "--set", "rollout.max_turns=zero",
+                        "--out", str(tmp_path / "run")], env=ENV, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert_one_line_from_rank_0(p, "megatron-tir: error: rollout.max_turns: 'zero' is not an int")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("args,message", [
