@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from pathlib import Path
 
 from megatron_tir.observe.quiet import quiet_handler
+
+log = logging.getLogger(__name__)
 
 LOG_FILE = "train.log"
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -30,17 +33,23 @@ class _RunLogHandler(logging.Handler):
         self._held: list[str] = []
         self._stream = None
 
+    def _open(self) -> bool:
+        """The file open, with the records held so far written first; False while the directory is missing."""
+        if self._stream is None:
+            if not self.path.parent.is_dir():
+                return False
+            self._stream = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._held, held = [], self._held
+            for earlier in held:
+                self._stream.write(earlier + "\n")
+        return True
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             line = self.format(record)
-            if self._stream is None:
-                if not self.path.parent.is_dir():
-                    self._held.append(line)
-                    return
-                self._stream = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-                self._held, held = [], self._held
-                for earlier in held:
-                    self._stream.write(earlier + "\n")
+            if not self._open():
+                self._held.append(line)
+                return
             self._stream.write(line + "\n")
             self._stream.flush()
         except Exception:  # noqa: BLE001 - logging's own convention: report, never raise into the caller
@@ -48,6 +57,8 @@ class _RunLogHandler(logging.Handler):
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
+            if self._held:  # the directory may have appeared after the last record (a start-up that then failed)
+                self._open()
             if self._stream is not None:
                 self._stream.close()
         self._stream = None
@@ -70,6 +81,11 @@ def run_log_file(run_dir: Path, *, rank0: bool, create: bool = True):
     root.addHandler(handler)
     try:
         yield
+    except Exception as exc:
+        # the caller reports it on the console once this block has ended (without the file): the file gets it here
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run stopped by %s: %s",
+                                      (type(exc).__name__, exc), sys.exc_info()))
+        raise
     finally:
         root.removeHandler(handler)
         handler.close()

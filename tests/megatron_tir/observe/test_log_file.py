@@ -68,3 +68,24 @@ def test_other_ranks_write_nothing(tmp_path, info_root):
     with run_log_file(tmp_path / "run", rank0=False):
         log.info("rank 1")
     assert not (tmp_path / "run").exists()
+
+
+def test_records_held_when_the_directory_came_after_them_are_written_at_the_end(tmp_path, info_root):
+    """start_service makes the directory, then the first sync fails (printed, not logged): the held lines still
+    reach the file."""
+    run = tmp_path / "run"
+    with run_log_file(run, rank0=True, create=False):
+        log.info("learner ready")
+        run.mkdir()
+    assert _messages(run / LOG_FILE) == ["learner ready"]
+
+
+def test_an_error_ending_the_block_is_in_the_file_with_its_traceback(tmp_path, info_root):
+    """The caller reports it on the console after the block (the file already closed): the file gets it here."""
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="boom"), run_log_file(run, rank0=True):
+        log.info("step 1/2")
+        raise RuntimeError("boom")
+    text = (run / LOG_FILE).read_text()
+    assert "ERROR run stopped by RuntimeError: boom" in text
+    assert "Traceback (most recent call last)" in text and 'raise RuntimeError("boom")' in text
