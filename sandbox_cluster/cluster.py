@@ -291,11 +291,13 @@ class LocalCluster:
         return [p.pid for p in self.workers if p is not None and p.poll() is None]
 
     def kill_worker(self, index: int) -> int:
-        """SIGKILL one worker process (it is restarted); returns its pid."""
+        """SIGKILL one worker process (it is restarted); returns its pid once it is dead (so a
+        ``wait_workers()`` right after cannot take it for the live worker it was)."""
         with self._lock:
             proc = self.workers[index]
             assert proc is not None
             proc.kill()
+            proc.wait(30)
             return proc.pid
 
     def status(self) -> ClusterStatus:
