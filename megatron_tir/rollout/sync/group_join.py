@@ -25,6 +25,12 @@ timeout). So giving up ends the thread and waits for it (:meth:`GroupJoin.cancel
   none here), so past the store nothing blocks; gloo connects in ``ProcessGroupGloo``'s constructor,
   which waits (at most ``timeout_s``) only for servers that joined the store but not the group.
 
+A given-up join keeps its store listening until the join's own deadline (``timeout_s`` after it
+began), as a merely abandoned master store would: a server whose ``/init_weights_update_group`` was
+cancelled may still be connecting, and a store that vanished would leave its client retrying
+(SGLang's ``init_custom_process_group`` uses c10d's default 30-minute timeout) with its scheduler blocked.
+The store is held by a timer thread (it sleeps in Python, never inside c10d).
+
 Under torchrun the store is built here rather than by ``c10d.rendezvous("tcp://...")``, which would
 make this rank a client of the elastic agent's store (see :func:`megatron_tir.rollout.sync.sglang.join_process_group`).
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +73,7 @@ class GroupJoin:
         self.address, self.port, self.world_size = master_address, master_port, world_size
         self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.deadline = time.monotonic() + timeout_s  # the join's own: a given-up store listens until then
         self._lock = threading.Lock()
         self._given_up = False
         self._waiting = False  # inside the master store's wait for the servers (a live store to count in)
@@ -82,6 +90,7 @@ class GroupJoin:
                              timeout=timedelta(seconds=self.timeout_s), multi_tenant=True, use_libuv=True, **kwargs)
 
     def _run(self) -> None:
+        host = store = None
         try:
             host = self._store(wait_for_workers=False)  # listens; counts no one
             with self._lock:
@@ -93,12 +102,13 @@ class GroupJoin:
             finally:
                 with self._lock:
                     self._waiting = False
-            del host  # (store holds the server)
             if self._given_up:
                 raise concurrent.futures.CancelledError()
+            host = None  # (store holds the server)
             group = group_from_store(store, world_size=self.world_size, rank=0, group_name=self.group_name,
                                      backend=self.backend, timeout_s=self.timeout_s)
         except BaseException as exc:  # handed to the waiting caller
+            _keep_listening(store if store is not None else host, self.deadline)
             with self._lock:
                 if not self.future.cancelled():
                     self.future.set_exception(exc)
@@ -146,6 +156,14 @@ class GroupJoin:
         """Give the join up and wait for its thread (:meth:`give_up`, :meth:`wait`)."""
         self.give_up()
         return self.wait()
+
+
+def _keep_listening(store: Any, deadline: float) -> None:
+    """Hold ``store`` (its server listening) until ``deadline``, in a timer thread that sleeps in Python."""
+    if store is not None and (left := deadline - time.monotonic()) > 0:
+        timer = threading.Timer(left, lambda held: None, args=(store,))
+        timer.daemon = True
+        timer.start()
 
 
 def _leave(group: Any) -> None:

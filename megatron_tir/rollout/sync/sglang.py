@@ -338,8 +338,9 @@ class DistributedWeightSync:
             if not init.done():
                 init.cancel()
                 await asyncio.gather(init, return_exceptions=True)
-            join.give_up()  # its thread ends (at once unless a gloo group waits for a server): not left in c10d
-            await asyncio.get_running_loop().run_in_executor(None, join.wait)
+            # its thread ends (at once unless a gloo group waits for a server): not left in c10d; off the loop
+            # (counting the missing servers in connects to the store)
+            await asyncio.get_running_loop().run_in_executor(None, join.cancel)
             raise
         self.group, self.world_size, self.group_name = group, world_size, group_name
         self.members = tuple(s.url for s in self.engine.sync_targets)
@@ -355,7 +356,8 @@ class DistributedWeightSync:
         behind = await self.engine.wait_servers_back(self.config.rejoin_timeout_s)
         targets = self.engine.sync_targets
         members = tuple(s.url for s in targets)
-        if not behind and members == self.members and not any(s.stale for s in targets) and not self.broken:
+        if (not behind and members == self.members and not any(s.stale for s in targets) and not self.broken
+                and self.group is not None):  # (None: the last rebuild failed; a broadcast would use the default group)
             return False
         log.warning("rebuilding weight-update group %s for %s (restarted: %s%s)", self.group_name,
                     ", ".join(members), ", ".join(s.url for s in targets if s.stale) or "none",

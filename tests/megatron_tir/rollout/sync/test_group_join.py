@@ -32,6 +32,25 @@ def test_a_join_given_up_while_waiting_for_the_servers_ends_its_thread_at_once()
     assert join.future.cancelled()
 
 
+def test_a_given_up_join_keeps_its_store_listening_until_its_deadline():
+    """A server whose /init_weights_update_group was cancelled may still connect: the store stays as long as the
+    abandoned join's own timeout would have kept it (not gone with the thread), then goes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    join = GroupJoin(master_address="127.0.0.1", master_port=port, world_size=3, group_name="listening",
+                     backend="gloo", timeout_s=6)
+    time.sleep(0.5)
+    assert join.cancel()
+    late = dist.TCPStore("127.0.0.1", port, world_size=1, is_master=False, timeout=timedelta(seconds=2))
+    late.set("late", "1")  # a late server's client reaches it
+    time.sleep(max(0.0, join.deadline - time.monotonic()) + 1.0)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - c10d's connect error (DistNetworkError or RuntimeError)
+        dist.TCPStore("127.0.0.1", port, world_size=1, is_master=False, timeout=timedelta(seconds=2))
+
+
 def test_a_join_given_up_at_once():
     early = GroupJoin(master_address="127.0.0.1", master_port=free_port(), world_size=2, group_name="early",
                       backend="gloo", timeout_s=60)
@@ -102,3 +121,32 @@ def test_the_broadcast_sync_join_the_servers_never_answer_ends_naming_them(tmp_p
                     "within 4 s (timeout_s)", error
     assert 4 <= took < 4 + 10, f"took {took:.1f} s"
     assert group is None
+
+
+def test_after_a_failed_rebuild_the_next_sync_rebuilds_again():
+    """A rebuild whose join failed leaves no group: the next sync must not find "nothing changed" and broadcast
+    with group=None (c10d's default group, the trainer's own ranks), but rebuild."""
+    from types import SimpleNamespace
+
+    from megatron_tir.rollout.sync.sglang import DistributedWeightSync, DistributedWeightSyncConfig
+
+    class Engine:  # the servers all back, none stale, the same set as in the last group
+        sync_targets = [SimpleNamespace(url="http://a", stale=False)]
+
+        async def wait_servers_back(self, timeout_s):
+            return []
+
+        async def destroy_weights_update_group(self, name, best_effort=False):
+            return None
+
+    sync = DistributedWeightSync(Engine(), DistributedWeightSyncConfig(master_address="127.0.0.1", master_port=1))
+    joins = []
+
+    async def join(group_name, master_port, refresh=True):
+        joins.append(group_name)
+        sync.group = object()
+
+    sync._join = join
+    sync.members, sync.rebuilds, sync.group = ("http://a",), 1, None  # the last rebuild's join failed
+    assert asyncio.run(sync.rejoin()) and len(joins) == 1
+    assert not asyncio.run(sync.rejoin())  # a group again, nothing changed: no rebuild
