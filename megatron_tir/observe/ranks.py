@@ -7,6 +7,8 @@
   The other ranks wait for that (up to :data:`RANK0_FIRST_S`) instead of saying the same line: a rank that
   exited first would be the root cause instead, and rank 0 could be ended before its line is out. A rank still
   running after the wait failed alone, and says its own line.
+* A stop that every rank meets alike once the run has started (non-finite training: exit 1,
+  :func:`stopped_on_every_rank`) is said the same way: one line from rank 0, the other ranks wait.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -36,3 +39,13 @@ def run_on_every_rank(command: Callable[[argparse.Namespace], int], args: argpar
         if rank() != 0:
             time.sleep(RANK0_FIRST_S)
         raise
+
+
+def stopped_on_every_rank(stop: Exception) -> int:
+    """Exit status 1 for ``stop``, which every rank met alike (``NonFiniteTraining``): rank 0 says it at once in one
+    line (``megatron-tir: error: ...`` on stderr); another rank waits up to :data:`RANK0_FIRST_S` for torchrun to end
+    it, as for bad input, and says it only if still running."""
+    if rank() != 0:
+        time.sleep(RANK0_FIRST_S)
+    print(f"megatron-tir: error: {stop}", file=sys.stderr)
+    return 1

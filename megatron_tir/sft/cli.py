@@ -20,16 +20,17 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
-from megatron_tir.observe.ranks import run_on_every_rank
+from megatron_tir.observe.ranks import run_on_every_rank, stopped_on_every_rank
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
 
 log = logging.getLogger(__name__)
 
 # what an sft run writes into its directory (a directory holding only these and no checkpoint can be reused)
-RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log")
+# (train's, less its rollout dumps: the trackers' files included)
+RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "wandb", "mlruns",
+               "wandb_run_id", "mlflow_run_id")
 
 
 def _rank() -> int:
@@ -126,20 +127,22 @@ def prepare(args: argparse.Namespace):
 
 
 def check_layout(cfg, world_size: int | None = None) -> None:
-    """ValueError unless the ranks (``WORLD_SIZE``, torchrun's; 1 without it) split into learner.tp x learner.pp
-    groups and every data-parallel replica gets a row of each step: before the data is read or a process starts."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    tp, pp = cfg.learner.tp, cfg.learner.pp
-    if world % (tp * pp):
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of learner.tp x learner.pp = {tp * pp}")
-    dp = world // (tp * pp)
+    """ValueError (one line) unless learner.tp x learner.pp fit the model and the ranks (``WORLD_SIZE``, torchrun's;
+    1 without it) -- train's check (:func:`megatron_tir.train.preflight.check_layout`: the model's config files
+    only) -- and every data-parallel replica gets a row of each step: before the data is read or a process starts."""
+    from megatron_tir.train.preflight import check_layout as check_model_layout, torchrun_world_size
+
+    world = torchrun_world_size() if world_size is None else world_size
+    check_model_layout(cfg.model, cfg.learner, world)
+    dp = world // (cfg.learner.tp * cfg.learner.pp)
     if cfg.rows_per_step < dp:
         raise ValueError(f"rows_per_step={cfg.rows_per_step} is fewer than the {dp} data-parallel replicas")
 
 
 def run_sft_command(args: argparse.Namespace) -> int:
     """Bad input is ValueError: one line, exit 2 (``megatron_tir.cli``), said by rank 0 alone; at the default level
-    the INFO lines are rank 0's (:func:`megatron_tir.observe.ranks.run_on_every_rank`)."""
+    the INFO lines are rank 0's (:func:`megatron_tir.observe.ranks.run_on_every_rank`). Non-finite training stops
+    every rank: one line from rank 0, exit 1 (:func:`megatron_tir.observe.ranks.stopped_on_every_rank`)."""
     return run_on_every_rank(_run_sft, args)
 
 
@@ -155,9 +158,8 @@ def _run_sft(args: argparse.Namespace) -> int:
         return 0
     try:
         state = run_sft(cfg, run_dir, state, resume=args.resume is not None)
-    except NonFiniteTraining as exc:
-        print(f"megatron-tir: error: {exc}", file=sys.stderr)
-        return 1
+    except NonFiniteTraining as exc:  # every rank stops alike: rank 0 says it (stopped_on_every_rank)
+        return stopped_on_every_rank(exc)
     if _rank() == 0:
         print(f"fine-tuned to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'}); "
               f"train from it with --set model={run_dir}")

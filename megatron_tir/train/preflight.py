@@ -7,8 +7,9 @@ files alone is checked first, each failure one ``ValueError`` line naming what i
 
 * the model: it resolves (a named model, an HF directory with a readable ``config.json`` of a
   supported architecture, or a run/policy checkpoint's metadata) -- no weights are read;
-* the layout: ``learner.tp`` x ``learner.pp`` against the heads, key/value heads, vocabulary,
-  FFN and layers, and against ``WORLD_SIZE`` under torchrun;
+* the layout (:func:`check_layout`, also ``sft``'s): ``learner.tp`` x ``learner.pp`` against the heads,
+  key/value heads, vocabulary, FFN and layers (``learner.ep`` against the experts), and against
+  ``WORLD_SIZE`` under torchrun;
 * the data: the training and held-out sets resolve and have the verl schema (every row read),
   and every prompt of a dataset, rendered by the rollout protocol, leaves the response budget
   (the larger of ``rollout.max_response_tokens`` and a turn schedule's) inside the engine's
@@ -27,6 +28,7 @@ import logging
 import os
 from pathlib import Path
 
+from megatron_tir.policy.learner_config import LearnerConfig
 from megatron_tir.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -49,17 +51,30 @@ def model_spec(model: str):
     return spec
 
 
+def torchrun_world_size() -> int:
+    """The ranks of the run: torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(model: str, learner: LearnerConfig, world_size: int):
+    """The ModelSpec of ``model`` (config files only) once ``learner.tp`` x ``learner.pp`` (and ``learner.ep``)
+    fit it and ``world_size`` ranks split into tp x pp groups; ValueError (one line) naming the settings
+    otherwise. ``train`` (:func:`check_start`) and ``sft`` check their layout with it."""
+    spec = model_spec(model)
+    tp, pp, ep = learner.tp, learner.pp, learner.ep
+    try:
+        spec.check_layout(tp, pp, ep)
+    except ValueError as exc:
+        settings = f"learner.tp={tp} learner.pp={pp}" + (f" learner.ep={ep}" if ep != 1 else "")
+        raise ValueError(f"{settings} do not fit model {model}: {exc}") from None
+    if world_size % (tp * pp):
+        raise ValueError(f"WORLD_SIZE={world_size} is not a multiple of learner.tp x learner.pp = {tp * pp}")
+    return spec
+
+
 def check_start(cfg: TrainConfig, *, world_size: int | None = None) -> None:
     """ValueError (one line) for the first thing that would make the start fail."""
-    spec = model_spec(cfg.model)
-    tp, pp = cfg.learner.tp, cfg.learner.pp
-    try:
-        spec.check_layout(tp, pp)
-    except ValueError as exc:
-        raise ValueError(f"learner.tp={tp} learner.pp={pp} do not fit model {cfg.model}: {exc}") from None
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    if world % (tp * pp):
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of learner.tp x learner.pp = {tp * pp}")
+    spec = check_layout(cfg.model, cfg.learner, torchrun_world_size() if world_size is None else world_size)
     from megatron_tir.data import load_problems
     from megatron_tir.train.data import ARITHMETIC, MIX, held_out_problems
 
