@@ -19,10 +19,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
-from megatron_tir.observe.ranks import run_on_every_rank, stopped_on_every_rank
+from megatron_tir.observe.ranks import rank, run_on_every_rank, stopped_on_every_rank
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
 
 log = logging.getLogger(__name__)
@@ -31,10 +30,6 @@ log = logging.getLogger(__name__)
 # (train's, less its rollout dumps: the trackers' files included)
 RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "wandb", "mlruns",
                "wandb_run_id", "mlflow_run_id")
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 # ----------------------------------------------------------------------------- collect
@@ -153,14 +148,14 @@ def _run_sft(args: argparse.Namespace) -> int:
     try:
         cfg, run_dir, state = prepare(args)
     except RunFinished as done:
-        if _rank() == 0:
+        if rank() == 0:
             print(f"megatron-tir: {done}")
         return 0
     try:
         state = run_sft(cfg, run_dir, state, resume=args.resume is not None)
     except NonFiniteTraining as exc:  # every rank stops alike: rank 0 says it (stopped_on_every_rank)
         return stopped_on_every_rank(exc)
-    if _rank() == 0:
+    if rank() == 0:
         print(f"fine-tuned to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'}); "
               f"train from it with --set model={run_dir}")
     return 0

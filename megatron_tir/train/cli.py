@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_tir.observe.ranks import run_on_every_rank
+from megatron_tir.observe.ranks import rank, run_on_every_rank, stopped_on_every_rank
 from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,6 @@ def fresh_config(args: argparse.Namespace):
     return apply_overrides(base, overrides_of(args))
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 class RunFinished(Exception):
     """``--resume`` of a run that has done all its steps (exit 0: a requeued job of a finished run ends cleanly)."""
 
@@ -98,7 +94,7 @@ def prepare(args: argparse.Namespace):
 
     def update(recorded):  # a resume: the overrides on the run's config, each change logged
         cfg = apply_overrides(recorded, overrides)
-        if _rank() == 0:
+        if rank() == 0:
             for line in config_changes(to_dict(recorded), to_dict(cfg)):
                 log.info("resume %s: %s", Path(args.resume), line)
         return cfg
@@ -166,22 +162,21 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         cfg, run_dir, state = prepare(args)
     except RunFinished as done:  # a requeued job of a finished run (the sbatch resumes when there is a checkpoint)
-        if _rank() == 0:
+        if rank() == 0:
             print(f"megatron-tir: {done}")
         return 0
-    if _rank() == 0 and (note := load_note()):
+    if rank() == 0 and (note := load_note()):
         log.warning("%s", note)
     try:
         state = run_training(cfg, run_dir, state, resume=args.resume is not None)
     except InfrastructureError:
         raise
-    except NonFiniteTraining as exc:
-        print(f"megatron-tir: error: {exc}", file=sys.stderr)
-        return 1
+    except NonFiniteTraining as exc:  # every rank stops alike: rank 0 says it (stopped_on_every_rank)
+        return stopped_on_every_rank(exc)
     except Exception:  # noqa: BLE001 - a defect or an environment problem mid-run, not the user's input
-        log.exception("training failed at rank %d", _rank())
+        log.exception("training failed at rank %d", rank())
         return 1
-    if _rank() == 0:
+    if rank() == 0:
         print(f"trained to step {state.step}: {run_dir} (metrics: {run_dir / 'metrics.jsonl'})")
         for line in held_out_summary(run_dir / "metrics.jsonl"):
             print(line)
