@@ -31,6 +31,11 @@ cancelled may still be connecting, and a store that vanished would leave its cli
 (SGLang's ``init_custom_process_group`` uses c10d's default 30-minute timeout) with its scheduler blocked.
 The store is held by a timer thread (it sleeps in Python, never inside c10d).
 
+A collective that waits out its group's timeout is the same hazard: gloo's ``Work.wait()`` returns when
+the operation completed, and a broadcast the servers do not receive waits ``timeout_s`` (``pg.abort()``,
+``pg.shutdown()``, the backend's ``abort()`` and ``destroy_process_group`` do not end it on gloo: tried on
+torch 2.13, the broadcast went on to its timeout). So such a thread waits in Python (:func:`wait_outside_c10d`).
+
 Under torchrun the store is built here rather than by ``c10d.rendezvous("tcp://...")``, which would
 make this rank a client of the elastic agent's store (see :func:`megatron_tir.rollout.sync.sglang.join_process_group`).
 """
@@ -156,6 +161,21 @@ class GroupJoin:
         """Give the join up and wait for its thread (:meth:`give_up`, :meth:`wait`)."""
         self.give_up()
         return self.wait()
+
+
+POLL_S = 0.01  # the longest sleep between two looks at a collective in flight
+
+
+def wait_outside_c10d(work: Any) -> None:
+    """``work.wait()`` for a collective that may block until its group's timeout (gloo's), waited for in
+    Python: ``work.is_completed()`` between sleeps, and ``wait()`` (its error raised) once it completed. A
+    thread left waiting is then in ``time.sleep``, which a finalizing interpreter ends cleanly, never in
+    c10d's ``wait`` (see the module docstring; the process aborted when one came back during finalization)."""
+    poll_s = 0.0005
+    while not work.is_completed():
+        time.sleep(poll_s)
+        poll_s = min(2 * poll_s, POLL_S)
+    work.wait()
 
 
 def _keep_listening(store: Any, deadline: float) -> None:

@@ -71,7 +71,7 @@ from megatron_tir.rollout.engines.base import PauseMode
 from megatron_tir.rollout.engines.base import pause_mode as as_pause_mode
 from megatron_tir.rollout.engines.base import MEMORY_TAGS
 from megatron_tir.rollout.sync.base import FLATTENED, WEIGHTS_TAG, Bucket, check_bucket, flatten
-from megatron_tir.rollout.sync.group_join import GroupJoin, group_from_store
+from megatron_tir.rollout.sync.group_join import GroupJoin, group_from_store, wait_outside_c10d
 
 if TYPE_CHECKING:
     import torch
@@ -250,6 +250,9 @@ def _daemon_call(fn, name: str = "weight-sync-group") -> concurrent.futures.Futu
 
 
 ANSWER_GRACE_S = 5.0  # after a broadcast failed: how long the servers' own answer (why) is waited for
+# after a server refused a bucket it received: how long its broadcast's end is waited for (its thread sees it
+# within group_join.POLL_S) before the group is taken for broken
+SENT_GRACE_S = 0.5
 
 
 async def bucket_done(announce: asyncio.Future, sent: asyncio.Future, *, timeout_s: float, what: str) -> None:
@@ -258,7 +261,8 @@ async def bucket_done(announce: asyncio.Future, sent: asyncio.Future, *, timeout
     never receives it, so the broadcast would wait out the group's timeout -- the error is the server's
     own answer. A broadcast that failed first waits ``ANSWER_GRACE_S`` for the servers' answer (their
     reason, when they give one). Neither within ``timeout_s``: SGLangError saying which side is missing.
-    An abandoned broadcast thread ends at its group's timeout (the caller drops the group)."""
+    An abandoned broadcast thread ends at its group's timeout (the caller drops the group); it waits in
+    Python meanwhile, so the process can exit before that (``group_join.wait_outside_c10d``)."""
     from megatron_tir.rollout.engines.sglang.wire import SGLangError
 
     sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned one: nobody awaits it
@@ -394,9 +398,16 @@ class DistributedWeightSync:
                 payload = ([flatten(bucket)] if self.config.load_format == FLATTENED
                            else [t.contiguous() for _, t in bucket])
 
-                def broadcast(payload=payload, group=self.group) -> None:
+                def broadcast(payload=payload, group=self.group, gloo=self.config.backend == "gloo") -> None:
                     for tensor in payload:
-                        dist.broadcast(tensor, src=0, group=group)
+                        work = dist.broadcast(tensor, src=0, group=group, async_op=True)
+                        # gloo's wait lasts until the servers received or the group's timeout: waited for in
+                        # Python (an abandoned one must not come back from c10d while the process exits,
+                        # group_join.wait_outside_c10d); NCCL's returns once queued
+                        if gloo:
+                            wait_outside_c10d(work)
+                        else:
+                            work.wait()
 
                 sent = asyncio.wrap_future(_daemon_call(broadcast, "weight-sync-send"))
                 try:
@@ -405,6 +416,7 @@ class DistributedWeightSync:
                 except BaseException:
                     # a broadcast still in flight, or one that failed (a timed-out gloo/NCCL group is dead):
                     # the group is rebuilt, never reused
+                    await asyncio.wait({sent}, timeout=SENT_GRACE_S)
                     self.broken = not sent.done() or sent.cancelled() or sent.exception() is not None
                     raise
 
