@@ -35,6 +35,10 @@ drives them)
     (retried while the scheduler still holds requests, up to ``flush_timeout_s``), and
     ``release_memory_occupation``/``resume_memory_occupation`` (only while paused; resume
     exactly the tags released -- SGLang's scheduler dies resuming a tag it did not release).
+    Each call is bounded by ``control_timeout_s`` (loads, joins, memory calls, pause), or, where
+    SGLang answers without waiting for requests or a load (the session's begin and end,
+    ``/continue_generation``, one ``/flush_cache`` try, the weight-version read), by
+    ``quick_control_timeout_s``: a stuck server fails the sync within it.
 
 Restarts
     A server restarted (by the launcher's agent) comes back with its launch weights,
@@ -117,6 +121,13 @@ class SGLangEngineConfig:
     connect_timeout_s: float = 10.0
     control_timeout_s: float = 600.0  # weight sync, flush, pause, memory calls
     flush_timeout_s: float = 60.0  # how long /flush_cache is retried while the scheduler is busy
+    # one call SGLang answers without waiting for requests or a load (sglang 0.5.23: the tokenizer manager, or the
+    # scheduler between two steps): begin/end of a weight-update session (paused: no lock taken; the weights
+    # restored / post-processed in place, weight_updater.py), /continue_generation, one /flush_cache try (answered
+    # at once without ?timeout, flush_wrapper.py), the weight-version read. /pause_generation stays on
+    # control_timeout_s: in abort mode it waits until every request in flight let go of the model-update lock
+    # (tokenizer_manager.py pause_generation)
+    quick_control_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0  # 0: none (a server marked down then stays down until check_health())
     health_timeout_s: float = 10.0  # > the ~1 s SGLang's /health sleeps before answering
     keepalive_timeout_s: float = 4.0  # idle connections are dropped before the server's 5 s
@@ -144,7 +155,7 @@ class SGLangEngineConfig:
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s", "flush_timeout_s",
-                     "rejoin_timeout_s", "restart_timeout_s"):
+                     "quick_control_timeout_s", "rejoin_timeout_s", "restart_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.health_timeout_s > 1.0:
@@ -393,7 +404,9 @@ class SGLangEngine(SGLangControl):
         try:
             async with self._session.get(f"{server.url}{endpoint}", timeout=timeout) as response:
                 status, text = response.status, await response.text()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except TimeoutError as exc:
+            raise SGLangError(f"{server.url}{endpoint}: no answer within {timeout.total:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise SGLangError(f"{server.url}{endpoint}: {exc!r}") from exc
         try:
             info = json.loads(text)
@@ -471,7 +484,7 @@ class SGLangEngine(SGLangControl):
         SGLang 0.5.23 reports the live version there (``/server_info`` holds the launch value).
         """
         await self.start()
-        versions = await asyncio.gather(*(self.server_weight_version(s, self.config.control_timeout_s)
+        versions = await asyncio.gather(*(self.server_weight_version(s, self.config.quick_control_timeout_s)
                                           for s in self.pool.servers))
         if len(set(versions)) > 1:
             log.warning("SGLang servers hold different weight versions %s; the next sync aligns them",

@@ -53,14 +53,17 @@ class SGLangControl:
 
     async def call_all(self, path: str, payload: dict[str, Any] | None = None, *,
                        payload_for: Callable[[int], dict[str, Any]] | None = None,
-                       fail_fast: bool = False, servers: Sequence[ServerState] | None = None) -> list[Any]:
+                       fail_fast: bool = False, servers: Sequence[ServerState] | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
         """POST ``path`` to every server of the sync (or to ``servers``) at once; SGLangError listing
         each server that failed.
 
         ``payload_for(i)`` gives server i its own payload (e.g. its rank offset). With
-        ``fail_fast`` the first failure raises at once (the other calls are cancelled).
+        ``fail_fast`` the first failure raises at once (the other calls are cancelled). ``timeout_s``:
+        each call's bound (None: the config's ``control_timeout_s``).
         """
-        results = await self._call_each(path, payload, payload_for=payload_for, fail_fast=fail_fast, servers=servers)
+        results = await self._call_each(path, payload, payload_for=payload_for, fail_fast=fail_fast, servers=servers,
+                                        timeout_s=timeout_s)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
         if errors:
             raise SGLangError("; ".join(str(e) for e in errors))
@@ -68,15 +71,19 @@ class SGLangControl:
 
     async def _call_each(self, path: str, payload: dict[str, Any] | None, *,
                          payload_for: Callable[[int], dict[str, Any]] | None = None,
-                         fail_fast: bool = False, servers: Sequence[ServerState] | None = None) -> list[Any]:
+                         fail_fast: bool = False, servers: Sequence[ServerState] | None = None,
+                         timeout_s: float | None = None) -> list[Any]:
         """POST ``path`` to every server at once; per server its answer or its SGLangError."""
         await self.start()
+        timeout_s = self.config.control_timeout_s if timeout_s is None else timeout_s
 
         async def one(i: int, server: ServerState) -> Any:
             body = payload_for(i) if payload_for is not None else payload
             try:
-                status, answer = await self._post(server.url, path, body, self.config.control_timeout_s)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                status, answer = await self._post(server.url, path, body, timeout_s)
+            except TimeoutError as exc:
+                raise SGLangError(f"{server.url}{path}: no answer within {timeout_s:g} s") from exc
+            except (aiohttp.ClientError, OSError) as exc:
                 raise SGLangError(f"{server.url}{path}: {exc!r}") from exc
             success = answer.get("success", True) if isinstance(answer, dict) else True
             if status != 200 or success is False:
@@ -137,7 +144,8 @@ class SGLangControl:
         """``/continue_generation`` on every server; each that answers is healthy again, each
         that does not is marked down (requests go to the others). SGLangError if none answers."""
         targets = list(self.sync_targets)
-        results = await self._call_each("/continue_generation", {}, servers=targets)
+        results = await self._call_each("/continue_generation", {}, servers=targets,
+                                        timeout_s=self.config.quick_control_timeout_s)
         for server, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 self.pool.mark_down(server, f"/continue_generation failed: {result}")
@@ -150,10 +158,10 @@ class SGLangControl:
 
     async def begin_weight_update(self) -> None:
         """Open a weight-update session on every server (updates are refused outside one)."""
-        await self.call_all("/begin_weight_update", {})
+        await self.call_all("/begin_weight_update", {}, timeout_s=self.config.quick_control_timeout_s)
 
     async def end_weight_update(self) -> None:
-        await self.call_all("/end_weight_update", {})
+        await self.call_all("/end_weight_update", {}, timeout_s=self.config.quick_control_timeout_s)
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
         """Drop the radix (prefix) cache on every server, retrying a refusal for up to
@@ -170,9 +178,13 @@ class SGLangControl:
         async def one(server: ServerState) -> None:
             deadline = asyncio.get_running_loop().time() + wait
             while True:
-                try:
-                    status, answer = await self._post(server.url, "/flush_cache", None, self.config.control_timeout_s)
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                try:  # one try: the scheduler answers at once, flushed or not (its deferred form is not used)
+                    status, answer = await self._post(server.url, "/flush_cache", None,
+                                                      self.config.quick_control_timeout_s)
+                except TimeoutError as exc:
+                    raise SGLangError(f"{server.url}/flush_cache: no answer within "
+                                      f"{self.config.quick_control_timeout_s:g} s") from exc
+                except (aiohttp.ClientError, OSError) as exc:
                     raise SGLangError(f"{server.url}/flush_cache: {exc!r}") from exc
                 if status == 200:
                     return

@@ -173,6 +173,7 @@ class FakeSGLangServer(WeightUpdateEndpoints):
         self.generate_delay_s = 0.0  # every /generate waits this long first (a large model's latency)
         self.enable_return_routed_experts = False  # --enable-return-routed-experts (fake_sglang_routing.py)
         self.receive_failure: str | None = None  # a receive that fails with this before the broadcast; "hang": never ends
+        self.hang_paths: frozenset[str] = frozenset()  # control calls that never answer (a stuck scheduler)
         self.requests: list[tuple[str, Any]] = []
         self.contract_errors: list[str] = []
         self.healthy = True  # False: /health 503 at once (starting or shutting down)
@@ -296,6 +297,8 @@ class FakeSGLangServer(WeightUpdateEndpoints):
         except (ValueError, AssertionError):
             return _json({"detail": [{"loc": ["query", "timeout"], "msg": "must be >= 0"}]}, status=422)
         self.requests.append(("/flush_cache", {"timeout": timeout}))
+        if "/flush_cache" in self.hang_paths:  # a scheduler that never answers
+            await asyncio.Event().wait()
         if self.flush_pending:
             return web.Response(text="Another flush_cache is already in progress.", status=400)
         ok = True
@@ -376,6 +379,8 @@ class FakeSGLangServer(WeightUpdateEndpoints):
         log.info("POST %s", path)
         if problem := check_io_struct(_CONTROL[path], body):
             return self._reject(problem)
+        if path in self.hang_paths:  # the tokenizer manager waits for a scheduler that never answers
+            await asyncio.Event().wait()
         if path in _DP_ASSERTED and self.dp_size != 1:  # tokenizer_control_mixin.py: assert dp_size == 1
             return web.Response(text="Internal Server Error", status=500)
         return await getattr(self, "_do_" + path.strip("/"))(request, body)
@@ -453,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         server.enable_return_routed_experts = args.enable_return_routed_experts
         server.receive_failure = os.environ.get("FAKE_SGLANG_RECEIVE_FAILURE") or None  # the timeout tests
         server.init_failure = os.environ.get("FAKE_SGLANG_INIT_FAILURE") or None  # a join refused, or "hang"
+        server.hang_paths = frozenset(filter(None, os.environ.get("FAKE_SGLANG_HANG", "").split(",")))  # e.g. /flush_cache
         await server.start(args.host, args.port)
         log.info("serving %s on %s", args.model_path, server.url)
         await asyncio.Event().wait()

@@ -93,6 +93,42 @@ def test_a_receive_that_never_ends_fails_in_bounded_time(tiny_qwen2, tmp_path, m
     assert took < 10 + 40, f"a hung receive took {took:.0f} s"
 
 
+QUICK_S = 3.0  # quick_control_timeout_s in the test below (control_timeout_s: 120)
+
+
+@pytest.mark.parametrize("path", ["/begin_weight_update", "/flush_cache"])
+def test_a_quick_control_call_that_never_ends_fails_within_its_own_bound(tiny_qwen2, tmp_path, monkeypatch, path):
+    """sglang 0.5.23 answers these without waiting for requests or a load (SGLangEngineConfig.quick_control_timeout_s):
+    a server that does not answer fails the sync within that bound, not control_timeout_s (600 s by default)."""
+    monkeypatch.setenv("FAKE_SGLANG_HANG", path)  # the fake's scheduler never answers this call
+    server = serve(tiny_qwen2, tmp_path, monkeypatch, "")
+    weights = [("model.norm.weight", torch.ones(64))]  # tiny-qwen2's (the flush comes after a load that succeeded)
+
+    async def main():
+        engine = SGLangEngine(SGLangEngineConfig(server_urls=(server.url,), eos_token_ids=(0,),
+                                                 health_check_interval_s=0, control_timeout_s=120,
+                                                 quick_control_timeout_s=QUICK_S))
+        sync = DistributedWeightSync(engine, DistributedWeightSyncConfig(
+            master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60,
+            group_name=f"quick-{server.config.port}"))
+        async with engine:
+            await sync.start()
+            t0 = time.monotonic()
+            with pytest.raises(SGLangError) as info:
+                await sync.update(buckets_of(weights, 1 << 20))
+            took = time.monotonic() - t0
+            assert engine.paused is False  # generation resumed after the failure
+            await sync.close()
+        return str(info.value), took
+
+    try:
+        error, took = run(main(), timeout=180)
+    finally:
+        server.stop()
+    assert error == f"{server.url}{path}: no answer within {QUICK_S:g} s"
+    assert took < QUICK_S + 20 < 120, f"took {took:.0f} s"
+
+
 def test_rank0_sync_turns_an_engine_failure_into_the_runs_one_line_stop():
     def load(source):
         raise SGLangError("http://h:1/update_weights_from_distributed answered 400: Failed to update\nparameter")
