@@ -251,8 +251,8 @@ def _daemon_call(fn, name: str = "weight-sync-group") -> concurrent.futures.Futu
 
 ANSWER_GRACE_S = 5.0  # after a broadcast failed: how long the servers' own answer (why) is waited for
 # after a server refused a bucket it received: how long its broadcast's end is waited for (its thread sees it
-# within group_join.POLL_S) before the group is taken for broken
-SENT_GRACE_S = 0.5
+# within group_join.POLL_S; a loaded machine's thread and loop take longer) before the group is taken for broken
+SENT_GRACE_S = 5.0
 
 
 async def bucket_done(announce: asyncio.Future, sent: asyncio.Future, *, timeout_s: float, what: str) -> None:
@@ -303,6 +303,7 @@ class DistributedWeightSync:
         self.rebuilds = 0  # groups rebuilt for servers that restarted or were left out
         self.members: tuple[str, ...] = ()  # the servers in the group (URLs)
         self.broken = False  # a bucket failed with its broadcast in flight: the group is rebuilt, never reused
+        self._sending: asyncio.Future | None = None  # the last bucket's broadcast thread
         self.next_version: int | None = None  # a resumed run's version for the next update (EngineWeightSync)
 
     async def start(self) -> None:
@@ -350,6 +351,11 @@ class DistributedWeightSync:
         self.members = tuple(s.url for s in self.engine.sync_targets)
         log.info("weight-update group %s ready (world size %d)", group_name, world_size)
 
+    def _droppable(self) -> bool:
+        """Whether the group can be destroyed here: not broken, or its broadcast thread has ended since (a
+        broken group with a thread still inside is dropped instead; its name stays taken in this process)."""
+        return not self.broken or self._sending is None or self._sending.done()
+
     async def rejoin(self) -> bool:
         """Before a sync: the servers that take part (``SGLangEngine.wait_servers_back``); when one
         restarted (its weight version is not the engine's: it is not in the group any more) or the
@@ -367,7 +373,7 @@ class DistributedWeightSync:
                     ", ".join(members), ", ".join(s.url for s in targets if s.stale) or "none",
                     "; the last sync failed" if self.broken else "")
         await self.engine.destroy_weights_update_group(self.group_name, best_effort=True)
-        if self.group is not None and not self.broken:  # (a broken one is dropped: a thread may be inside it)
+        if self.group is not None and self._droppable():
             dist.destroy_process_group(self.group)
         self.group, self.broken = None, False
         from megatron_tir.ports import free_port
@@ -409,7 +415,7 @@ class DistributedWeightSync:
                         else:
                             work.wait()
 
-                sent = asyncio.wrap_future(_daemon_call(broadcast, "weight-sync-send"))
+                sent = self._sending = asyncio.wrap_future(_daemon_call(broadcast, "weight-sync-send"))
                 try:
                     await bucket_done(announce, sent, timeout_s=self.config.timeout_s,
                                       what=f"bucket {index} ({len(bucket)} tensors)")
@@ -434,7 +440,7 @@ class DistributedWeightSync:
         try:
             await self.engine.destroy_weights_update_group(self.group_name, best_effort=self.broken)
         finally:
-            if not self.broken:  # (a broken one is dropped: a thread may still be inside it)
+            if self._droppable():
                 dist.destroy_process_group(self.group)
             self.group = None
 
