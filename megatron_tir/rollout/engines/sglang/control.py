@@ -79,12 +79,7 @@ class SGLangControl:
 
         async def one(i: int, server: ServerState) -> Any:
             body = payload_for(i) if payload_for is not None else payload
-            try:
-                status, answer = await self._post(server.url, path, body, timeout_s)
-            except TimeoutError as exc:
-                raise SGLangError(f"{server.url}{path}: no answer within {timeout_s:g} s") from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                raise SGLangError(f"{server.url}{path}: {exc!r}") from exc
+            status, answer = await self._control_post(server, path, body, timeout_s)
             success = answer.get("success", True) if isinstance(answer, dict) else True
             if status != 200 or success is False:
                 raise SGLangError(f"{server.url}{path} answered {status}: {error_message(answer)}")
@@ -101,6 +96,16 @@ class SGLangControl:
         finally:  # the caller cancelled (a timeout around the call): the calls go too, not left to fail unread
             for task in tasks:
                 task.cancel()
+
+    async def _control_post(self, server: ServerState, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
+        """One control call: (status, answer), or SGLangError naming the server and path (no answer within
+        ``timeout_s``, or the connection's error)."""
+        try:
+            return await self._post(server.url, path, body, timeout_s)
+        except TimeoutError as exc:
+            raise SGLangError(f"{server.url}{path}: no answer within {timeout_s:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise SGLangError(f"{server.url}{path}: {exc!r}") from exc
 
     async def server_info(self, *, refresh: bool = False) -> list[dict[str, Any]]:
         """``GET /server_info`` of every server of the sync (cached per server), in their order;
@@ -178,14 +183,9 @@ class SGLangControl:
         async def one(server: ServerState) -> None:
             deadline = asyncio.get_running_loop().time() + wait
             while True:
-                try:  # one try: the scheduler answers at once, flushed or not (its deferred form is not used)
-                    status, answer = await self._post(server.url, "/flush_cache", None,
-                                                      self.config.quick_control_timeout_s)
-                except TimeoutError as exc:
-                    raise SGLangError(f"{server.url}/flush_cache: no answer within "
-                                      f"{self.config.quick_control_timeout_s:g} s") from exc
-                except (aiohttp.ClientError, OSError) as exc:
-                    raise SGLangError(f"{server.url}/flush_cache: {exc!r}") from exc
+                # one try: the scheduler answers at once, flushed or not (its deferred form is not used)
+                status, answer = await self._control_post(server, "/flush_cache", None,
+                                                          self.config.quick_control_timeout_s)
                 if status == 200:
                     return
                 if status != 400 or asyncio.get_running_loop().time() >= deadline:
