@@ -22,14 +22,13 @@ import logging
 from pathlib import Path
 
 from megatron_tir.observe.ranks import rank, run_on_every_rank, stopped_on_every_rank
-from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
+from megatron_tir.train.run_dir import RUN_ENTRIES as COMMON_RUN_ENTRIES
+from megatron_tir.train.run_dir import open_run_dir
 
 log = logging.getLogger(__name__)
 
-# what an sft run writes into its directory (a directory holding only these and no checkpoint can be reused)
-# (train's, less its rollout dumps: the trackers' files included)
-RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "wandb", "mlruns",
-               "wandb_run_id", "mlflow_run_id")
+# what an sft run writes into its directory (train's, less its rollout dumps)
+RUN_ENTRIES = COMMON_RUN_ENTRIES
 
 
 # ----------------------------------------------------------------------------- collect

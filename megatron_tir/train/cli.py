@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 from megatron_tir.observe.ranks import rank, run_on_every_rank, stopped_on_every_rank
-from megatron_tir.train.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, open_run_dir
+from megatron_tir.train.run_dir import RUN_ENTRIES as COMMON_RUN_ENTRIES
+from megatron_tir.train.run_dir import open_run_dir
 
 log = logging.getLogger(__name__)
 
 LAUNCHER_ENTRIES = ("launch.json", "logs")  # tir-launch writes these into a run dir before the trainer starts
 # what a run writes into its directory (a directory holding only these and no checkpoint can be reused)
-RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "rollouts", "wandb",
-               "mlruns", "wandb_run_id", "mlflow_run_id")
+RUN_ENTRIES = (*COMMON_RUN_ENTRIES, "rollouts")  # (its rollout dumps: megatron_tir.observe.dumps.DUMP_DIR)
 
 
 def _recipe_names() -> str:

@@ -16,6 +16,10 @@ from typing import Generic, NamedTuple, TypeVar
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
+# what a run of either command (train, sft) writes into its directory, the trackers' files included (a directory
+# holding only these, and the command's own entries, and no checkpoint can be reused)
+RUN_ENTRIES = (CONFIG_FILE, "metrics.jsonl", "tb", CHECKPOINTS_DIR, "plots", "train.log", "wandb", "mlruns",
+               "wandb_run_id", "mlflow_run_id")
 
 C = TypeVar("C")
 
